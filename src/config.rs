@@ -1,0 +1,707 @@
+//! Configuration: where it comes from (file, `$AILHD_CONFIG`, `/etc/ailhd/ailhd.toml`, defaults,
+//! `AILHD_<SECTION>__<KEY>` overrides) and what is allowed. Parsing only validates; the objects
+//! that do work (featurisers, writers) are built from a validated [`Settings`].
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/ailhd/ailhd.toml";
+
+/// A configuration problem: which key, and what is wrong with it.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration file {path}: {message}")]
+    Load { path: String, message: String },
+    #[error("configuration: {0}")]
+    Parse(String),
+    #[error("configuration key `{key}`: {message}")]
+    Invalid { key: String, message: String },
+}
+
+fn invalid(key: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.to_string(),
+        message: message.into(),
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Settings {
+    pub paths: Paths,
+    pub labels: Labels,
+    pub splits: Splits,
+    pub features: FeatureSettings,
+    pub outputs: Outputs,
+    pub ingest: Ingest,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            paths: Paths::default(),
+            labels: Labels::default(),
+            splits: Splits::default(),
+            features: FeatureSettings::default(),
+            outputs: Outputs::default(),
+            ingest: Ingest::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Paths {
+    /// The labelled recording tree (first folder level = label).
+    pub recordings: PathBuf,
+    /// Where the per-split HDF5 files and `npy/<split>/` go.
+    pub output: PathBuf,
+    /// Manifest (sled) and the writer lock.
+    pub state: PathBuf,
+}
+
+impl Default for Paths {
+    fn default() -> Self {
+        Paths {
+            recordings: PathBuf::from("/srv/ailhd/MASTER_DATASET"),
+            output: PathBuf::from("/var/lib/ailhd/output"),
+            state: PathBuf::from("/var/lib/ailhd/state"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum UnknownLabel {
+    Quarantine,
+    Append,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Labels {
+    pub names: Vec<String>,
+    pub unknown: UnknownLabel,
+}
+
+impl Default for Labels {
+    fn default() -> Self {
+        Labels {
+            names: ["BACKGROUND", "CRACK", "LEAK", "NORMAL", "UNCLASSIFIED"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            unknown: UnknownLabel::Quarantine,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum SplitMode {
+    Hash,
+    Directory,
+}
+
+/// The three splits, in a fixed order (also the order of `splits.ratios`).
+pub const SPLITS: [&str; 3] = ["training", "validation", "testing"];
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Ratios {
+    pub training: u32,
+    pub validation: u32,
+    pub testing: u32,
+}
+
+impl Ratios {
+    pub fn as_array(&self) -> [u32; 3] {
+        [self.training, self.validation, self.testing]
+    }
+}
+
+impl Default for Ratios {
+    fn default() -> Self {
+        Ratios {
+            training: 70,
+            validation: 20,
+            testing: 10,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Splits {
+    pub mode: SplitMode,
+    pub ratios: Ratios,
+    /// Directory mode: top-level folder name -> split name.
+    pub directories: std::collections::BTreeMap<String, String>,
+}
+
+impl Default for Splits {
+    fn default() -> Self {
+        Splits {
+            mode: SplitMode::Hash,
+            ratios: Ratios::default(),
+            directories: Default::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum MelScale {
+    Htk,
+    Slaney,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum MelNorm {
+    None,
+    Slaney,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum DbMode {
+    Log10,
+    AmplitudeToDb,
+}
+
+/// The feature definition (CONTRACT.md, "Features"). Changing any of these makes existing outputs
+/// incompatible, which is why they are fingerprinted into every output file.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct FeatureSettings {
+    pub sample_rate: u32,
+    pub duration_sec: f64,
+    pub long_window: usize,
+    pub long_hop: usize,
+    pub short_window: usize,
+    pub short_hop: usize,
+    pub n_fft: usize,
+    pub hop_length: usize,
+    pub n_mels: usize,
+    pub power: f64,
+    pub mel_scale: MelScale,
+    pub mel_norm: MelNorm,
+    pub f_min: f64,
+    /// `None` means sample_rate / 2.
+    pub f_max: Option<f64>,
+    pub db: DbMode,
+    pub top_db: Option<f64>,
+    pub store_waveform: bool,
+}
+
+impl Default for FeatureSettings {
+    fn default() -> Self {
+        FeatureSettings {
+            sample_rate: 4096,
+            duration_sec: 10.0,
+            long_window: 1024,
+            long_hop: 1024,
+            short_window: 512,
+            short_hop: 512,
+            n_fft: 512,
+            hop_length: 128,
+            n_mels: 64,
+            power: 1.0,
+            mel_scale: MelScale::Htk,
+            mel_norm: MelNorm::None,
+            f_min: 0.0,
+            f_max: None,
+            db: DbMode::Log10,
+            top_db: None,
+            store_waveform: false,
+        }
+    }
+}
+
+impl FeatureSettings {
+    /// The second setup users run (`config/overlap32.toml`).
+    pub fn overlap32() -> Self {
+        FeatureSettings {
+            long_hop: 512,
+            short_hop: 256,
+            n_mels: 32,
+            power: 2.0,
+            mel_norm: MelNorm::Slaney,
+            db: DbMode::AmplitudeToDb,
+            top_db: Some(80.0),
+            ..FeatureSettings::default()
+        }
+    }
+
+    pub fn f_max_hz(&self) -> f64 {
+        self.f_max.unwrap_or(self.sample_rate as f64 / 2.0)
+    }
+
+    /// Shapes derived from the settings (integer division, as in the contract).
+    pub fn shape(&self) -> FeatureShape {
+        let num_samples = (self.sample_rate as f64 * self.duration_sec).round() as usize;
+        FeatureShape {
+            num_samples,
+            num_long: 1 + (num_samples - self.long_window) / self.long_hop,
+            num_short: 1 + (self.long_window - self.short_window) / self.short_hop,
+            n_mels: self.n_mels,
+            t_frames: 1 + (self.short_window - self.n_fft) / self.hop_length,
+            n_fft: self.n_fft,
+            short_window: self.short_window,
+        }
+    }
+
+    /// The settings as stored in `config_json` and hashed into `feature_fingerprint`.
+    /// `store_waveform` is included: it changes the layout of the outputs.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("feature settings serialise")
+    }
+
+    /// blake3 of the canonical JSON: equal fingerprints mean compatible outputs.
+    pub fn fingerprint(&self) -> String {
+        blake3::hash(self.to_json().as_bytes()).to_hex().to_string()
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let k = |name: &str| format!("features.{name}");
+        if !(1..=1_000_000).contains(&self.sample_rate) {
+            return Err(invalid(
+                &k("sample_rate"),
+                "must be between 1 and 1000000 Hz",
+            ));
+        }
+        if !(self.duration_sec.is_finite()
+            && self.duration_sec > 0.0
+            && self.duration_sec <= 3600.0)
+        {
+            return Err(invalid(&k("duration_sec"), "must be > 0 and at most 3600"));
+        }
+        let n = (self.sample_rate as f64 * self.duration_sec).round() as usize;
+        for (name, v) in [
+            ("long_window", self.long_window),
+            ("long_hop", self.long_hop),
+            ("short_window", self.short_window),
+            ("short_hop", self.short_hop),
+            ("n_fft", self.n_fft),
+            ("hop_length", self.hop_length),
+            ("n_mels", self.n_mels),
+        ] {
+            if v == 0 {
+                return Err(invalid(&k(name), "must be at least 1"));
+            }
+        }
+        if self.long_window > n {
+            return Err(invalid(
+                &k("long_window"),
+                format!(
+                    "{} is longer than the clip ({} samples = sample_rate * duration_sec)",
+                    self.long_window, n
+                ),
+            ));
+        }
+        if self.short_window > self.long_window {
+            return Err(invalid(
+                &k("short_window"),
+                format!(
+                    "{} is longer than long_window ({})",
+                    self.short_window, self.long_window
+                ),
+            ));
+        }
+        if self.n_fft > self.short_window {
+            return Err(invalid(
+                &k("n_fft"),
+                format!(
+                    "{} is longer than short_window ({})",
+                    self.n_fft, self.short_window
+                ),
+            ));
+        }
+        if self.n_fft < 2 || self.n_fft > 65536 {
+            return Err(invalid(&k("n_fft"), "must be between 2 and 65536"));
+        }
+        if self.n_mels > 4096 {
+            return Err(invalid(&k("n_mels"), "must be at most 4096"));
+        }
+        if !(self.power.is_finite() && self.power > 0.0) {
+            return Err(invalid(
+                &k("power"),
+                "must be a positive number (1.0 = magnitude, 2.0 = power)",
+            ));
+        }
+        let nyquist = self.sample_rate as f64 / 2.0;
+        if !(self.f_min.is_finite() && self.f_min >= 0.0) {
+            return Err(invalid(&k("f_min"), "must be >= 0"));
+        }
+        if let Some(f_max) = self.f_max {
+            if !(f_max.is_finite() && f_max <= nyquist) {
+                return Err(invalid(
+                    &k("f_max"),
+                    format!("must be at most sample_rate / 2 ({nyquist})"),
+                ));
+            }
+        }
+        if self.f_min >= self.f_max_hz() {
+            return Err(invalid(
+                &k("f_min"),
+                format!("{} must be below f_max ({})", self.f_min, self.f_max_hz()),
+            ));
+        }
+        match (self.db, self.top_db) {
+            (_, Some(t)) if !(t.is_finite() && t > 0.0) => {
+                return Err(invalid(&k("top_db"), "must be a positive number of dB"))
+            }
+            (DbMode::Log10, Some(_)) => {
+                return Err(invalid(
+                    &k("top_db"),
+                    "only applies with db = \"amplitude_to_db\"; remove it or change features.db",
+                ))
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// Shapes of one row, derived from [`FeatureSettings`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FeatureShape {
+    /// Samples per recording after pad/trim.
+    pub num_samples: usize,
+    pub num_long: usize,
+    pub num_short: usize,
+    pub n_mels: usize,
+    pub t_frames: usize,
+    pub n_fft: usize,
+    pub short_window: usize,
+}
+
+impl FeatureShape {
+    /// float16 values in one row of `segments_mel`.
+    pub fn row_len(&self) -> usize {
+        self.num_long * self.num_short * self.n_mels * self.t_frames
+    }
+    pub fn row_dims(&self) -> [usize; 4] {
+        [self.num_long, self.num_short, self.n_mels, self.t_frames]
+    }
+    /// Number of short windows (each gets its own mel spectrogram).
+    pub fn num_windows(&self) -> usize {
+        self.num_long * self.num_short
+    }
+    /// float32 values in one row of `segments_waveform`.
+    pub fn waveform_len(&self) -> usize {
+        self.num_windows() * self.short_window
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct HdfNames {
+    pub training: String,
+    pub validation: String,
+    pub testing: String,
+}
+
+impl Default for HdfNames {
+    fn default() -> Self {
+        HdfNames {
+            training: "TRAINING_DATASET.H5".into(),
+            validation: "VALIDATION_DATASET.H5".into(),
+            testing: "TESTING_DATASET.H5".into(),
+        }
+    }
+}
+
+impl HdfNames {
+    pub fn for_split(&self, split: usize) -> &str {
+        [&self.training, &self.validation, &self.testing][split]
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Outputs {
+    pub hdf5: bool,
+    pub npy: bool,
+    pub hdf5_names: HdfNames,
+    /// Fixed length of the `source_path` strings (bytes of UTF-8).
+    pub path_bytes: usize,
+}
+
+impl Default for Outputs {
+    fn default() -> Self {
+        Outputs {
+            hdf5: true,
+            npy: true,
+            hdf5_names: HdfNames::default(),
+            path_bytes: 256,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(DeviceChoice::Auto),
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "cuda" => Ok(DeviceChoice::Cuda),
+            other => Err(format!("unknown device `{other}` (auto, cpu or cuda)")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Ingest {
+    pub device: DeviceChoice,
+    pub max_batch_files: usize,
+    pub max_batch_latency_ms: u64,
+    /// A file must be unchanged (size, mtime) this long before it is taken as complete.
+    pub settle_ms: u64,
+    /// A file still incomplete after this long is quarantined.
+    pub quarantine_after_s: u64,
+    /// Periodic safety rescan; 0 disables it.
+    pub rescan_interval_s: u64,
+    /// Decode/hash/featurise threads; 0 = one per core.
+    pub workers: usize,
+}
+
+impl Default for Ingest {
+    fn default() -> Self {
+        Ingest {
+            device: DeviceChoice::Auto,
+            max_batch_files: 256,
+            max_batch_latency_ms: 20,
+            settle_ms: 200,
+            quarantine_after_s: 300,
+            rescan_interval_s: 3600,
+            workers: 0,
+        }
+    }
+}
+
+impl Settings {
+    /// Load as the contract says: `explicit` (from `--config`), else `$AILHD_CONFIG`, else
+    /// `/etc/ailhd/ailhd.toml` if it exists, else built-in defaults; then `AILHD_<SECTION>__<KEY>`
+    /// environment overrides; then validation.
+    pub fn load(explicit: Option<&Path>) -> Result<Settings, ConfigError> {
+        let env_path = std::env::var_os("AILHD_CONFIG").map(PathBuf::from);
+        let file = match (explicit, env_path) {
+            (Some(p), _) => Some((p.to_path_buf(), true)),
+            (None, Some(p)) => Some((p, true)),
+            (None, None) => {
+                let p = PathBuf::from(DEFAULT_CONFIG_PATH);
+                p.exists().then_some((p, false))
+            }
+        };
+        let mut builder = config::Config::builder();
+        if let Some((path, _required)) = &file {
+            if !path.is_file() {
+                return Err(ConfigError::Load {
+                    path: path.display().to_string(),
+                    message: "no such file".into(),
+                });
+            }
+            builder = builder
+                .add_source(config::File::from(path.as_path()).format(config::FileFormat::Toml));
+        }
+        builder = builder.add_source(
+            config::Environment::with_prefix("AILHD")
+                .prefix_separator("_")
+                .separator("__")
+                .list_separator(",")
+                .with_list_parse_key("labels.names")
+                .try_parsing(true),
+        );
+        let built = builder.build().map_err(|e| match &file {
+            Some((p, _)) => ConfigError::Load {
+                path: p.display().to_string(),
+                message: e.to_string(),
+            },
+            None => ConfigError::Parse(e.to_string()),
+        })?;
+        let settings: Settings = built.try_deserialize().map_err(|e| match &file {
+            Some((p, _)) => ConfigError::Load {
+                path: p.display().to_string(),
+                message: e.to_string(),
+            },
+            None => ConfigError::Parse(e.to_string()),
+        })?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// Parse a TOML string (tests, and `check-config` on a given text), with validation.
+    pub fn from_toml_str(text: &str) -> Result<Settings, ConfigError> {
+        let built = config::Config::builder()
+            .add_source(config::File::from_str(text, config::FileFormat::Toml))
+            .build()
+            .map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let settings: Settings = built
+            .try_deserialize()
+            .map_err(|e| ConfigError::Parse(e.to_string()))?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.features.validate()?;
+        if self.labels.names.is_empty() {
+            return Err(invalid("labels.names", "must name at least one label"));
+        }
+        if self.labels.names.len() > i16::MAX as usize {
+            return Err(invalid(
+                "labels.names",
+                "at most 32767 labels (ids are int16)",
+            ));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for name in &self.labels.names {
+            if name.is_empty() || name.contains('/') {
+                return Err(invalid(
+                    "labels.names",
+                    format!("`{name}` is not a folder name"),
+                ));
+            }
+            if !seen.insert(name) {
+                return Err(invalid("labels.names", format!("`{name}` is listed twice")));
+            }
+        }
+        let sum: u32 = self.splits.ratios.as_array().iter().sum();
+        if sum != 100 {
+            return Err(invalid(
+                "splits.ratios",
+                format!("training + validation + testing must sum to 100, not {sum}"),
+            ));
+        }
+        if self.splits.mode == SplitMode::Directory {
+            if self.splits.directories.is_empty() {
+                return Err(invalid(
+                    "splits.directories",
+                    "directory mode needs a map of top-level folder -> split (training, validation, testing)",
+                ));
+            }
+            for (dir, split) in &self.splits.directories {
+                if !SPLITS.contains(&split.as_str()) {
+                    return Err(invalid(
+                        &format!("splits.directories.{dir}"),
+                        format!("`{split}` is not a split (training, validation, testing)"),
+                    ));
+                }
+            }
+        }
+        let names = [
+            &self.outputs.hdf5_names.training,
+            &self.outputs.hdf5_names.validation,
+            &self.outputs.hdf5_names.testing,
+        ];
+        for (i, n) in names.iter().enumerate() {
+            if n.is_empty() || n.contains('/') || n.as_str() == "npy" {
+                return Err(invalid(
+                    &format!("outputs.hdf5_names.{}", SPLITS[i]),
+                    format!("`{n}` is not a plain file name"),
+                ));
+            }
+        }
+        if names[0] == names[1] || names[1] == names[2] || names[0] == names[2] {
+            return Err(invalid(
+                "outputs.hdf5_names",
+                "the three file names must differ",
+            ));
+        }
+        if !(8..=4096).contains(&self.outputs.path_bytes) {
+            return Err(invalid("outputs.path_bytes", "must be between 8 and 4096"));
+        }
+        if !self.outputs.hdf5 && !self.outputs.npy {
+            return Err(invalid(
+                "outputs",
+                "at least one of hdf5 and npy must be true",
+            ));
+        }
+        if self.ingest.max_batch_files == 0 {
+            return Err(invalid("ingest.max_batch_files", "must be at least 1"));
+        }
+        if self.ingest.workers > 1024 {
+            return Err(invalid(
+                "ingest.workers",
+                "must be at most 1024 (0 = one per core)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Split index for a top-level folder in directory mode.
+    pub fn directory_split(&self, top: &str) -> Option<usize> {
+        self.splits
+            .directories
+            .get(top)
+            .and_then(|s| SPLITS.iter().position(|x| x == s))
+    }
+
+    pub fn worker_threads(&self) -> usize {
+        if self.ingest.workers == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            self.ingest.workers
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_give_contract_shapes() {
+        let s = Settings::default();
+        s.validate().unwrap();
+        assert_eq!(s.features.shape().row_dims(), [40, 2, 64, 1]);
+        assert_eq!(
+            FeatureSettings::overlap32().shape().row_dims(),
+            [79, 3, 32, 1]
+        );
+    }
+
+    #[test]
+    fn unknown_key_is_rejected_with_its_name() {
+        let err = Settings::from_toml_str("[features]\nn_ffft = 512\n").unwrap_err();
+        assert!(err.to_string().contains("n_ffft"), "{err}");
+    }
+
+    #[test]
+    fn impossible_values_name_the_key() {
+        let cases = [
+            ("[features]\nshort_window = 2048\n", "features.short_window"),
+            ("[features]\nn_fft = 1024\n", "features.n_fft"),
+            ("[splits.ratios]\ntraining = 80\n", "splits.ratios"),
+            ("[features]\nf_max = 5000.0\n", "features.f_max"),
+            ("[features]\ntop_db = 80.0\n", "features.top_db"),
+            ("[splits]\nmode = \"directory\"\n", "splits.directories"),
+        ];
+        for (text, key) in cases {
+            let err = Settings::from_toml_str(text).unwrap_err().to_string();
+            assert!(err.contains(key), "{text:?} gave {err}");
+        }
+    }
+
+    #[test]
+    fn fingerprint_changes_with_any_feature_setting() {
+        let a = FeatureSettings::default();
+        let mut b = a.clone();
+        b.n_mels = 32;
+        assert_ne!(a.fingerprint(), b.fingerprint());
+        assert_eq!(a.fingerprint(), FeatureSettings::default().fingerprint());
+    }
+}

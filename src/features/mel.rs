@@ -1,0 +1,1 @@
+//! Mel filterbank (stub, being written).

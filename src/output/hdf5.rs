@@ -1,0 +1,1 @@
+//! HDF5 per-split file (stub, being written).

@@ -1,0 +1,1 @@
+//! npy column files (stub, being written).
