@@ -11,3 +11,4 @@ pub mod config;
 pub mod decode;
 pub mod features;
 pub mod output;
+pub mod settle;
