@@ -12,3 +12,4 @@ pub mod decode;
 pub mod features;
 pub mod output;
 pub mod settle;
+pub mod watch;
