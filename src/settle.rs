@@ -422,7 +422,12 @@ mod tests {
         let fs = FakeFs::new();
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
-        fs.set("a.wav", 44, 1, Err("recording in progress: data size 0 in header"));
+        fs.set(
+            "a.wav",
+            44,
+            1,
+            Err("recording in progress: data size 0 in header"),
+        );
         s.note(Path::new("a.wav"), true, t0);
         let mut probes = 0;
         loop {
@@ -519,7 +524,9 @@ mod tests {
         s.forget(Path::new("b.wav"));
         s.forget(Path::new("never-seen.wav"));
         assert_eq!(s.next_deadline(), None);
-        assert!(s.poll(t0 + QUARANTINE, |_| panic!("probed a forgotten file")).is_empty());
+        assert!(s
+            .poll(t0 + QUARANTINE, |_| panic!("probed a forgotten file"))
+            .is_empty());
     }
 
     #[test]

@@ -18,6 +18,9 @@
 //!
 //! Files that exist when [`Watcher::start`] returns are not reported: start the watcher first,
 //! then scan the tree, so nothing falls between the two.
+//!
+//! Threads: notify's inotify loop hands raw events to one worker of ours (`ailhd-watch`), which
+//! translates them and may walk a new folder; stopping joins it.
 
 use std::collections::HashSet;
 use std::io;
@@ -54,13 +57,16 @@ impl TouchKind {
 /// What happened under the root. Paths are relative to the root.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WatchEvent {
+    /// A `.wav` was created, written, closed after writing, moved in, or listed in a folder that
+    /// appeared (created or moved in). Says nothing about completeness: see [`crate::settle`].
     Touched { path: PathBuf, kind: TouchKind },
     /// A `.wav` file was deleted or moved away (the source of a rename).
     Removed(PathBuf),
     /// A folder was deleted or moved away: every file under it is gone. Events for the files
     /// inside may or may not precede it (a deletion reports them, a move does not).
     RemovedDir(PathBuf),
-    /// Events may have been lost; rescan the whole tree. `reason` is for the log.
+    /// Events may have been lost (queue overflow, watch limit, watcher error, the root itself
+    /// removed): rescan the whole tree. `reason` is for the log and carries the advice.
     Rescan { reason: String },
 }
 
@@ -330,7 +336,11 @@ impl Translator {
             Ok(event) => event,
             Err(err) => {
                 let reason = match err.paths.first() {
-                    Some(path) => format!("file watcher error at {}: {}", path.display(), explain(&err)),
+                    Some(path) => format!(
+                        "file watcher error at {}: {}",
+                        path.display(),
+                        explain(&err)
+                    ),
                     None => format!("file watcher error: {}", explain(&err)),
                 };
                 emit(WatchEvent::Rescan { reason });
@@ -404,7 +414,11 @@ impl Translator {
                 // Gone again already; its removal is (or will be) reported.
                 notify::ErrorKind::PathNotFound => return,
                 _ => emit(WatchEvent::Rescan {
-                    reason: format!("cannot watch new folder {}: {}", rel.display(), explain(&err)),
+                    reason: format!(
+                        "cannot watch new folder {}: {}",
+                        rel.display(),
+                        explain(&err)
+                    ),
                 }),
             }
         }
@@ -522,7 +536,10 @@ mod tests {
         let close = EventKind::Access(AccessKind::Close(AccessMode::Write));
         let data = EventKind::Modify(ModifyKind::Data(DataChange::Any));
         assert_eq!(
-            feed(&mut tr, ev(EventKind::Create(CreateKind::File), "/r/L/a.wav")),
+            feed(
+                &mut tr,
+                ev(EventKind::Create(CreateKind::File), "/r/L/a.wav")
+            ),
             [touch("L/a.wav", TouchKind::Modified)]
         );
         assert_eq!(
