@@ -3,6 +3,7 @@
 //! A recording travels: watch -> identify (hash, manifest) -> decode -> featurise (cpu | cuda)
 //! -> write (hdf5 | npy) -> commit. One module per stage:
 //!
+//! - [`watch`]: inotify events under the tree; [`settle`]: when a touched file is complete;
 //! - [`config`]: settings and their validation (parsing only validates);
 //! - [`identity`]: content hash, label, split, file-name metadata;
 //! - [`manifest`]: the sled record of every file and row (the commit point);
@@ -30,6 +31,8 @@ pub mod migrate;
 pub mod output;
 pub mod pipeline;
 pub mod rebuild;
+pub mod settle;
 pub mod staging;
 pub mod status;
 pub mod synth;
+pub mod watch;
