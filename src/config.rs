@@ -25,7 +25,7 @@ fn invalid(key: &str, message: impl Into<String>) -> ConfigError {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Settings {
     pub paths: Paths,
@@ -34,19 +34,6 @@ pub struct Settings {
     pub features: FeatureSettings,
     pub outputs: Outputs,
     pub ingest: Ingest,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
-            paths: Paths::default(),
-            labels: Labels::default(),
-            splits: Splits::default(),
-            features: FeatureSettings::default(),
-            outputs: Outputs::default(),
-            ingest: Ingest::default(),
-        }
-    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
