@@ -248,6 +248,29 @@ def cmd_swmr_follow(args):
     print(json.dumps(dict(polls=polls, grew=grew, committed=committed, attr_reads=attr_reads)))
 
 
+def cmd_npy_follow(args):
+    """A numpy reader following growing npy columns: load every column with mmap_mode="r"
+    again and again; each load must succeed and every row below its header shape be complete."""
+    deadline = time.time() + args.timeout
+    names = list(expected_dtypes(0))[:-1]
+    checked, polls, grew = 0, 0, 0
+    while True:
+        polls += 1
+        cols = {n: np.load(f"{args.path}/{n}.npy", mmap_mode="r") for n in names}
+        committed = min(a.shape[0] for a in cols.values())
+        check(committed >= checked, f"rows went back from {checked} to {committed}")
+        if committed > checked:
+            grew += 1
+        check_edit_tolerant(cols, checked, committed)
+        checked = committed
+        del cols
+        if committed >= args.target:
+            break
+        check(time.time() < deadline, f"timed out at {committed} rows")
+        time.sleep(args.interval)
+    print(json.dumps(dict(polls=polls, grew=grew, committed=committed)))
+
+
 def check_edit_tolerant(cols, lo, hi):
     """check_rows where valid/labels may have been edited in place by the writer."""
     valid = np.asarray(cols["valid"][lo:hi])
@@ -260,7 +283,7 @@ def check_edit_tolerant(cols, lo, hi):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["hdf5", "npy", "try-open", "swmr-follow"])
+    p.add_argument("command", choices=["hdf5", "npy", "try-open", "swmr-follow", "npy-follow"])
     p.add_argument("path")
     p.add_argument("--rows", type=int, default=0)
     p.add_argument("--mode", choices=["plain", "swmr"], default="plain")
@@ -275,7 +298,14 @@ def main():
     p.add_argument("--interval", type=float, default=0.0)
     args = p.parse_args()
     try:
-        {"hdf5": cmd_hdf5, "npy": cmd_npy, "try-open": cmd_try_open, "swmr-follow": cmd_swmr_follow}[args.command](args)
+        commands = {
+            "hdf5": cmd_hdf5,
+            "npy": cmd_npy,
+            "try-open": cmd_try_open,
+            "swmr-follow": cmd_swmr_follow,
+            "npy-follow": cmd_npy_follow,
+        }
+        commands[args.command](args)
     except Mismatch as e:
         print(f"MISMATCH: {e}", file=sys.stderr)
         sys.exit(3)
