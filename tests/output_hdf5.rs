@@ -381,6 +381,26 @@ fn reopen_after_sigkill_without_swmr() {
     reopen_after_sigkill(false);
 }
 
+/// Cost of a daemon-sized commit (a few rows): `cargo test --release --test output_hdf5 --
+/// --ignored --nocapture small_commit_latency`. Prints figures.
+#[test]
+#[ignore]
+fn small_commit_latency() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = header(false);
+    let mut sink = Hdf5Sink::create(&dir.path().join("small.h5"), &h, true).unwrap();
+    let commits = 200;
+    let t = Instant::now();
+    for _ in 0..commits {
+        append(&mut sink, &h, 4);
+        sink.commit().unwrap();
+    }
+    eprintln!(
+        "hdf5: {commits} commits of 4 rows: {:.2} ms per append + commit",
+        t.elapsed().as_secs_f64() * 1e3 / commits as f64
+    );
+}
+
 /// Throughput of bulk appends (what `rebuild` does): `cargo test --release --test output_hdf5
 /// -- --ignored --nocapture append_throughput`. Prints figures; asserts nothing about speed.
 #[test]
@@ -394,16 +414,23 @@ fn append_throughput() {
         let path = dir.path().join(format!("bench-{swmr}.h5"));
         let mut sink = Hdf5Sink::create(&path, &h, swmr).unwrap();
         let batches = 30;
-        let t = Instant::now();
+        let (mut in_append, mut in_commit) = (Duration::ZERO, Duration::ZERO);
         for _ in 0..batches {
+            let t = Instant::now();
             sink.append(&batch.mel, None, &batch.meta).unwrap();
+            in_append += t.elapsed();
+            let t = Instant::now();
             sink.commit().unwrap();
+            in_commit += t.elapsed();
         }
-        let s = t.elapsed().as_secs_f64();
+        let s = (in_append + in_commit).as_secs_f64();
         let n = (batches * 1000) as f64;
         eprintln!(
-            "hdf5 swmr={swmr}: {n} rows of {row_bytes} B mel in {s:.2} s: {:.0} rows/s, {:.0} MB/s \
-             of mel (commit + fdatasync every 1000 rows)",
+            "hdf5 swmr={swmr}: {n} rows of {row_bytes} B mel in {s:.2} s ({:.2} s appending, \
+             {:.2} s committing): {:.0} rows/s, {:.0} MB/s of mel (commit + fdatasync every 1000 \
+             rows)",
+            in_append.as_secs_f64(),
+            in_commit.as_secs_f64(),
             n / s,
             n * row_bytes as f64 / s / 1e6
         );

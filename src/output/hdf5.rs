@@ -148,7 +148,7 @@ impl Hdf5Sink {
             if LABEL_ATTRS.contains(&name) {
                 let capacity = (2 * value.len()).max(LABEL_ATTR_MIN_BYTES);
                 file.new_attr_builder()
-                    .empty_as(&TypeDescriptor::FixedUnicode(capacity))
+                    .empty_as(TypeDescriptor::FixedUnicode(capacity))
                     .create(name)?;
                 write_fixed_text_attr(&file, name, &value)?;
             } else {
@@ -355,7 +355,7 @@ impl Hdf5Sink {
             }
             file.delete_attr(name)?;
             file.new_attr_builder()
-                .empty_as(&TypeDescriptor::FixedUnicode(2 * value.len()))
+                .empty_as(TypeDescriptor::FixedUnicode(2 * value.len()))
                 .create(*name)?;
         }
         for (name, value) in LABEL_ATTRS.iter().zip(&values) {
@@ -385,7 +385,7 @@ impl Hdf5Sink {
             file.delete_attr(name)?;
             let capacity = (2 * value.len()).max(LABEL_ATTR_MIN_BYTES);
             file.new_attr_builder()
-                .empty_as(&TypeDescriptor::FixedUnicode(capacity))
+                .empty_as(TypeDescriptor::FixedUnicode(capacity))
                 .create(name)?;
             write_fixed_text_attr(file, name, &value)?;
         }
