@@ -116,6 +116,40 @@ fn waveform_column_and_swmr_created_file_read_plainly_after_close() {
 }
 
 #[test]
+fn label_attributes_grow_outside_swmr_and_refuse_to_inside() {
+    if !python_ready() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("TRAINING_DATASET.H5");
+    let h = header(false);
+    let many = |n: usize| -> Vec<String> {
+        let mut l = h.labels.clone();
+        l.extend((l.len()..n).map(|i| format!("FOLDER_NUMBER_{i:05}_ÄÖÜ")));
+        l
+    };
+    let mut sink = Hdf5Sink::create(&path, &h, false).unwrap();
+    sink.set_labels(&many(300)).unwrap(); // ~9 KB of JSON: recreated bigger
+    drop(sink);
+    let mut sink = Hdf5Sink::open_append(&path, &h, true).unwrap();
+    assert_eq!(sink.labels().len(), 300);
+    sink.set_labels(&many(400)).unwrap(); // in place, under SWMR
+    let e = sink
+        .set_labels(&many(5000))
+        .err()
+        .expect("no room under SWMR");
+    assert!(format!("{e:#}").contains("restart ailhd"), "{e:#}");
+    drop(sink);
+    let labels = many(400);
+    py(&[
+        "hdf5",
+        path.to_str().unwrap(),
+        "--labels",
+        &serde_json::to_string(&labels).unwrap(),
+    ]);
+}
+
+#[test]
 fn refuses_to_append_with_other_settings() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("TESTING_DATASET.H5");

@@ -198,7 +198,8 @@ impl Hdf5Sink {
         }
         let file = match open_rw(path, false) {
             Ok(f) => f,
-            Err(first) => {
+            // HDF5's "file is already open for write (may use <h5clear file> ...)".
+            Err(first) if format!("{first:#}").contains("h5clear") => {
                 log::warn!(
                     "{}: {first:#}; assuming its writer was killed and recovering it",
                     path.display()
@@ -211,6 +212,12 @@ impl Hdf5Sink {
                         path.display()
                     )
                 })?
+            }
+            Err(e) => {
+                return Err(e.context(format!(
+                    "{}: not a readable HDF5 file; move it away and run `ailhd rebuild`",
+                    path.display()
+                )))
             }
         };
         let schema = file
@@ -348,7 +355,9 @@ impl Hdf5Sink {
             }
             if self.swmr {
                 bail!(
-                    "{}: the new label list needs {} bytes in attribute {name}, which holds {capacity};                      it cannot grow while SWMR readers may be reading: restart ailhd to grow it",
+                    "{}: the new label list needs {} bytes in attribute {name}, which holds \
+                     {capacity}; it cannot grow while SWMR readers may be reading: restart \
+                     ailhd to grow it",
                     self.path.display(),
                     value.len()
                 );

@@ -153,9 +153,8 @@ def cmd_hdf5(args):
             check(f["source_path"].asstr()[0] == expected_meta(0)["source_path"], "asstr()")
         cols = {n: f[n] for n in names}
         check_rows(cols, 0, committed, args.valid_zero, args.relabel)
-        fmt = f.id.get_create_plist().get_version()
-        bounds = f.id.get_access_plist().get_libver_bounds()
-    print(json.dumps(dict(committed=committed, datasets=info, superblock=fmt[0], libver=list(bounds))))
+        superblock = f.id.get_create_plist().get_version()[0]
+    print(json.dumps(dict(committed=committed, datasets=info, superblock=superblock)))
 
 
 def cmd_npy(args):
