@@ -150,6 +150,49 @@ fn label_attributes_grow_outside_swmr_and_refuse_to_inside() {
 }
 
 #[test]
+fn readers_holding_the_file_do_not_block_the_writer() {
+    if !python_ready() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("TRAINING_DATASET.H5");
+    let h = header(false);
+    let mut sink = Hdf5Sink::create(&path, &h, false).unwrap();
+    append(&mut sink, &h, 3);
+    sink.commit().unwrap();
+    drop(sink);
+    // A plain reader (h5py's default: with file locking) holds the closed file; the service
+    // restarts and appends in SWMR mode. Then the same with a SWMR reader.
+    for (mode, rows) in [("plain", 3), ("swmr", 6)] {
+        let mut reader = output_support::checker()
+            .args([
+                "hold",
+                path.to_str().unwrap(),
+                "--mode",
+                mode,
+                "--timeout",
+                "60",
+            ])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let line = BufReader::new(reader.stdout.take().unwrap())
+            .lines()
+            .next()
+            .unwrap()
+            .unwrap();
+        assert_eq!(line, format!("holding {rows}"));
+        let mut sink = Hdf5Sink::open_append(&path, &h, true).unwrap();
+        append(&mut sink, &h, 3);
+        sink.commit().unwrap();
+        drop(sink);
+        reader.kill().unwrap();
+        reader.wait().unwrap();
+    }
+    py(&["hdf5", path.to_str().unwrap(), "--rows", "9"]);
+}
+
+#[test]
 fn refuses_to_append_with_other_settings() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("TESTING_DATASET.H5");

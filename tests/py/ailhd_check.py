@@ -270,6 +270,18 @@ def cmd_npy_follow(args):
     print(json.dumps(dict(polls=polls, grew=grew, committed=committed)))
 
 
+def cmd_hold(args):
+    """Open the file (h5py defaults: file locking on) and keep it open, as a long training run
+    does, until killed."""
+    import h5py
+
+    kw = dict(libver="latest", swmr=True) if args.mode == "swmr" else {}
+    f = h5py.File(args.path, "r", **kw)
+    print(f"holding {int(f['committed_rows'][0])}", flush=True)
+    time.sleep(args.timeout)
+    f.close()
+
+
 def check_edit_tolerant(cols, lo, hi):
     """check_rows where valid/labels may have been edited in place by the writer."""
     valid = np.asarray(cols["valid"][lo:hi])
@@ -282,7 +294,7 @@ def check_edit_tolerant(cols, lo, hi):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["hdf5", "npy", "try-open", "swmr-follow", "npy-follow"])
+    p.add_argument("command", choices=["hdf5", "npy", "try-open", "swmr-follow", "npy-follow", "hold"])
     p.add_argument("path")
     p.add_argument("--rows", type=int, default=0)
     p.add_argument("--mode", choices=["plain", "swmr"], default="plain")
@@ -303,6 +315,7 @@ def main():
             "try-open": cmd_try_open,
             "swmr-follow": cmd_swmr_follow,
             "npy-follow": cmd_npy_follow,
+            "hold": cmd_hold,
         }
         commands[args.command](args)
     except Mismatch as e:
