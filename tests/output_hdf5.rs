@@ -136,8 +136,7 @@ fn label_attributes_grow_outside_swmr_and_refuse_to_inside() {
     sink.set_labels(&many(400)).unwrap(); // in place, under SWMR
     let e = sink
         .set_labels(&many(5000))
-        .err()
-        .expect("no room under SWMR");
+        .expect_err("no room under SWMR");
     assert!(format!("{e:#}").contains("restart ailhd"), "{e:#}");
     drop(sink);
     let labels = many(400);

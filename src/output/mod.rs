@@ -312,3 +312,57 @@ pub fn incompatible(path: &Path, what: impl std::fmt::Display) -> anyhow::Error 
         path.display()
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(store_waveform: bool) -> OutputHeader {
+        OutputHeader {
+            labels: vec!["A".into(), "B".into()],
+            features: FeatureSettings {
+                store_waveform,
+                ..FeatureSettings::default()
+            },
+            path_bytes: 16,
+        }
+    }
+
+    fn meta(path: &str) -> RowMeta {
+        RowMeta {
+            label: 1,
+            blake3: [7; 32],
+            source_path: path.into(),
+            sensor_id: "S1".into(),
+            recording_id: String::new(),
+            recorded_at: -1,
+            gain_db: f32::NAN,
+        }
+    }
+
+    #[test]
+    fn rows_that_do_not_fit_say_why() {
+        assert!(meta("A/ü.wav").check_fits(16).is_ok());
+        let e = meta("A/abcdefghijklmnop.wav").check_fits(16).unwrap_err();
+        assert!(e.contains("outputs.path_bytes"), "{e}");
+        assert!(meta("A/\0.wav").check_fits(16).unwrap_err().contains("NUL"));
+    }
+
+    #[test]
+    fn packed_columns_follow_the_layout() {
+        let h = header(false);
+        let n = h.shape().row_len();
+        let mel = vec![f16::from_f32(1.5); 2 * n];
+        let cols = pack_rows(&h, &mel, None, &[meta("A/x.wav"), meta("B/ü")]).unwrap();
+        let specs = columns(&h);
+        assert_eq!(cols.len(), specs.len());
+        for (c, s) in cols.iter().zip(&specs) {
+            assert_eq!(c.len(), 2 * s.row_bytes(), "{}", s.name);
+        }
+        assert_eq!(&cols[4][16..20], "B/ü".as_bytes());
+        assert!(cols[4][20..32].iter().all(|&b| b == 0), "NUL padded");
+        assert!(pack_rows(&h, &mel[1..], None, &[meta("a"), meta("b")]).is_err());
+        assert!(pack_rows(&h, &mel, Some(&[0.0]), &[meta("a"), meta("b")]).is_err());
+        assert!(pack_rows(&header(true), &mel, None, &[meta("a"), meta("b")]).is_err());
+    }
+}

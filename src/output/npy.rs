@@ -495,3 +495,28 @@ fn partial_path(dir: &Path) -> PathBuf {
     name.push(".partial");
     dir.with_file_name(name)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_have_room_for_any_row_count() {
+        let header = OutputHeader {
+            labels: vec![],
+            features: Default::default(),
+            path_bytes: 4096,
+        };
+        for spec in columns(&header) {
+            let len = header_len_for(&spec);
+            assert_eq!(len % 64, 0);
+            let h = npy_header(&spec, u64::MAX, len);
+            assert_eq!(h.len(), len);
+            assert_eq!(h[len - 1], b'\n');
+        }
+        let labels = &columns(&header)[1];
+        let h = npy_header(labels, 12, 128);
+        assert!(String::from_utf8_lossy(&h)
+            .contains("{'descr': '<i2', 'fortran_order': False, 'shape': (12,), }"));
+    }
+}
