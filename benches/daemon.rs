@@ -17,7 +17,12 @@ fn bin() -> PathBuf {
 }
 
 fn status(cfg: &Path) -> serde_json::Value {
-    let o = Command::new(bin()).arg("--config").arg(cfg).args(["status", "--json"]).output().unwrap();
+    let o = Command::new(bin())
+        .arg("--config")
+        .arg(cfg)
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
     serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null)
 }
 
@@ -34,9 +39,17 @@ fn committed(s: &serde_json::Value) -> u64 {
 
 fn proc_cpu_secs(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
     let ticks: f64 = fields.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
-        + fields.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        + fields
+            .get(12)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
     ticks / 100.0
 }
 
@@ -58,11 +71,17 @@ fn pct(v: &mut [f64], q: f64) -> f64 {
 
 fn clip(i: usize, seed: u64) -> Vec<u8> {
     let labels = ["LEAK", "NORMAL", "CRACK", "BACKGROUND"];
-    ailhd::synth::wav_pcm16(&ailhd::synth::clip(labels[i % 4], seed * 1_000_003 + i as u64, 4096, 10.0), 4096)
+    ailhd::synth::wav_pcm16(
+        &ailhd::synth::clip(labels[i % 4], seed * 1_000_003 + i as u64, 4096, 10.0),
+        4096,
+    )
 }
 
 fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
     let stream_n = args.first().copied().unwrap_or(1000);
     let burst_n = args.get(1).copied().unwrap_or(10_000);
     let dir = tempfile::tempdir().unwrap();
@@ -138,7 +157,11 @@ fn main() {
     let burst_dir = dir.path().join("burst");
     std::fs::create_dir_all(&burst_dir).unwrap();
     for i in 0..burst_n {
-        std::fs::write(burst_dir.join(ailhd::synth::file_name(100_000 + i, 2)), clip(100_000 + i, 2)).unwrap();
+        std::fs::write(
+            burst_dir.join(ailhd::synth::file_name(100_000 + i, 2)),
+            clip(100_000 + i, 2),
+        )
+        .unwrap();
     }
     let before = committed(&snapshot(&state));
     let c0 = proc_cpu_secs(pid);
@@ -160,7 +183,12 @@ fn main() {
     // The same files by `rebuild`, in this run, for the comparison.
     std::fs::remove_dir_all(rec.join("LEAK")).unwrap();
     let t = Instant::now();
-    let o = Command::new(bin()).arg("--config").arg(&cfg).args(["rebuild", "--json"]).output().unwrap();
+    let o = Command::new(bin())
+        .arg("--config")
+        .arg(&cfg)
+        .args(["rebuild", "--json"])
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let rebuild_rate = burst_n as f64 / t.elapsed().as_secs_f64();
     println!(

@@ -29,9 +29,21 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let labels = ["BACKGROUND", "CRACK", "LEAK", "NORMAL", "UNCLASSIFIED"];
     let t = Instant::now();
-    ailhd::synth::write_tree(&dir.path().join("rec"), &labels, n.div_ceil(labels.len()), 11).unwrap();
-    let files = ailhd::rebuild::scan(&dir.path().join("rec")).unwrap().0.len();
-    println!("tree: {files} clips written in {:.1} s", t.elapsed().as_secs_f64());
+    ailhd::synth::write_tree(
+        &dir.path().join("rec"),
+        &labels,
+        n.div_ceil(labels.len()),
+        11,
+    )
+    .unwrap();
+    let files = ailhd::rebuild::scan(&dir.path().join("rec"))
+        .unwrap()
+        .0
+        .len();
+    println!(
+        "tree: {files} clips written in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
 
     let mut s = Settings::default();
     s.paths.recordings = dir.path().join("rec");
@@ -58,7 +70,10 @@ fn main() {
     );
     println!("  time per stage (thread-seconds; read/hash/decode run on {threads} threads, write+manifest on the writer thread):");
     for (stage, secs) in &r.stages {
-        println!("    {stage:<10} {secs:>8.3} s  {:>7.1} us/file", secs * 1e6 / r.files as f64);
+        println!(
+            "    {stage:<10} {secs:>8.3} s  {:>7.1} us/file",
+            secs * 1e6 / r.files as f64
+        );
     }
     println!("  peak RSS: {:.0} MB", peak_rss_mb());
 
@@ -72,8 +87,16 @@ fn main() {
         Ok(o) if o.status.success() => {
             let text = String::from_utf8_lossy(&o.stdout);
             print!("{text}");
-            if let Some(rate) = text.split('=').nth(1).and_then(|s| s.split_whitespace().next()).and_then(|s| s.parse::<f64>().ok()) {
-                println!("ratio ailhd / numpy baseline: {:.1}x", r.files_per_sec() / rate);
+            if let Some(rate) = text
+                .split('=')
+                .nth(1)
+                .and_then(|s| s.split_whitespace().next())
+                .and_then(|s| s.parse::<f64>().ok())
+            {
+                println!(
+                    "ratio ailhd / numpy baseline: {:.1}x",
+                    r.files_per_sec() / rate
+                );
             }
         }
         Ok(o) => println!("baseline failed: {}", String::from_utf8_lossy(&o.stderr)),

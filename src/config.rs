@@ -698,12 +698,20 @@ mod shipped_files {
     use super::*;
 
     fn shipped(name: &str) -> String {
-        std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config").join(name)).unwrap()
+        std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("config")
+                .join(name),
+        )
+        .unwrap()
     }
 
     #[test]
     fn documented_defaults_are_the_defaults() {
-        assert_eq!(Settings::from_toml_str(&shipped("ailhd.toml")).unwrap(), Settings::default());
+        assert_eq!(
+            Settings::from_toml_str(&shipped("ailhd.toml")).unwrap(),
+            Settings::default()
+        );
     }
 
     #[test]

@@ -49,7 +49,10 @@ enum Work {
     /// Compare the whole tree with the manifest (start-up, overflow, periodic).
     Rescan,
     /// A file that never became complete.
-    Incomplete { rel: String, reason: String },
+    Incomplete {
+        rel: String,
+        reason: String,
+    },
     Reload(Box<Settings>),
 }
 
@@ -117,11 +120,15 @@ pub async fn serve(
         root.display(),
         settings.paths.output.display()
     );
-    let _ = sd_notify::notify(&[NotifyState::Ready, NotifyState::Status(&format!("watching, on {device}"))]);
+    let _ = sd_notify::notify(&[
+        NotifyState::Ready,
+        NotifyState::Status(&format!("watching, on {device}")),
+    ]);
 
     tokio::pin!(shutdown);
     let mut next_rescan = rescan_deadline(&settings);
-    let mut watchdog_tick = tokio::time::interval(watchdog.map(|d| d / 2).unwrap_or(Duration::from_secs(3600)));
+    let mut watchdog_tick =
+        tokio::time::interval(watchdog.map(|d| d / 2).unwrap_or(Duration::from_secs(3600)));
     loop {
         let settle_at = settler.next_deadline();
         tokio::select! {
@@ -226,12 +233,13 @@ pub async fn serve(
         }
         shared.settling.store(settler.len(), Ordering::Relaxed);
         let queue = settler.len() + shared.queued.load(Ordering::Relaxed);
-        let _ = sd_notify::notify(&[NotifyState::Status(&format!("queue {queue}, ingested {ingested}, on {device}"))]);
+        let _ = sd_notify::notify(&[NotifyState::Status(&format!(
+            "queue {queue}, ingested {ingested}, on {device}"
+        ))]);
     }
 
     let _ = sd_notify::notify(&[NotifyState::Stopping]);
     watcher.stop();
-    drop(send);
     drop(work_tx);
     // The worker drains what is queued, commits, closes the outputs.
     let joined = tokio::task::spawn_blocking(move || worker.join()).await?;
@@ -242,7 +250,8 @@ pub async fn serve(
 }
 
 fn rescan_deadline(settings: &Settings) -> Option<Instant> {
-    (settings.ingest.rescan_interval_s > 0).then(|| Instant::now() + Duration::from_secs(settings.ingest.rescan_interval_s))
+    (settings.ingest.rescan_interval_s > 0)
+        .then(|| Instant::now() + Duration::from_secs(settings.ingest.rescan_interval_s))
 }
 
 async fn sleep_until(at: Option<Instant>) {
@@ -264,7 +273,9 @@ fn probe(root: &Path, rel: &Path) -> Probe {
         return Probe::Missing;
     };
     let header = match std::fs::read(&path) {
-        Ok(bytes) => crate::decode::parse_header(&bytes).map(|_| ()).map_err(|e| e.to_string()),
+        Ok(bytes) => crate::decode::parse_header(&bytes)
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Probe::Missing,
         Err(e) => Err(format!("cannot read: {e}")),
     };
@@ -343,13 +354,18 @@ fn worker_loop(
                 // Micro-batch: everything already queued, up to max_batch_files; while files are
                 // still settling, wait up to max_batch_latency_ms after the first for more.
                 let started = Instant::now();
-                let deadline = started + Duration::from_millis(settings.ingest.max_batch_latency_ms);
+                let deadline =
+                    started + Duration::from_millis(settings.ingest.max_batch_latency_ms);
                 let mut ops = vec![op];
                 while ops.len() < settings.ingest.max_batch_files {
                     let next = match rx.try_recv() {
                         Ok(w) => Some(w),
-                        Err(_) if shared.settling.load(Ordering::Relaxed) > 0 && Instant::now() < deadline => {
-                            rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).ok()
+                        Err(_)
+                            if shared.settling.load(Ordering::Relaxed) > 0
+                                && Instant::now() < deadline =>
+                        {
+                            rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                                .ok()
                         }
                         Err(_) => None,
                     };
@@ -362,7 +378,10 @@ fn worker_loop(
                         None => break,
                     }
                 }
-                let n_ingest = ops.iter().filter(|o| matches!(o, Op::Ingest { .. })).count();
+                let n_ingest = ops
+                    .iter()
+                    .filter(|o| matches!(o, Op::Ingest { .. }))
+                    .count();
                 match ingestor.apply(ops) {
                     Ok(outcome) => {
                         ingested += (outcome.new_rows + outcome.attached) as u64;
@@ -390,7 +409,10 @@ fn worker_loop(
                         return Err(e);
                     }
                 }
-                shared.queued.fetch_sub(n_ingest.min(shared.queued.load(Ordering::Relaxed)), Ordering::Relaxed);
+                shared.queued.fetch_sub(
+                    n_ingest.min(shared.queued.load(Ordering::Relaxed)),
+                    Ordering::Relaxed,
+                );
                 dirty = true;
             }
             Work::Rescan => match ingestor.reconcile() {
@@ -429,17 +451,27 @@ fn worker_loop(
         .iter()
         .map(|(k, v)| format!("{k} {v:.3}s"))
         .collect();
-    log::info!("stopping: {ingested} files ingested this run; time per stage: {}", stages.join(", "));
+    log::info!(
+        "stopping: {ingested} files ingested this run; time per stage: {}",
+        stages.join(", ")
+    );
     ingestor.close()
 }
 
-fn write_snapshot(ingestor: &Ingestor, settings: &Settings, shared: &Shared, recent: &Recent, ingested: u64) {
+fn write_snapshot(
+    ingestor: &Ingestor,
+    settings: &Settings,
+    shared: &Shared,
+    recent: &Recent,
+    ingested: u64,
+) {
     let result = (|| -> anyhow::Result<()> {
         let mut r = status::collect(ingestor.manifest(), ingestor.labels())?;
         r.service = Some(ServiceStatus {
             pid: std::process::id(),
             device: ingestor.device(),
-            queue_depth: shared.settling.load(Ordering::Relaxed) + shared.queued.load(Ordering::Relaxed),
+            queue_depth: shared.settling.load(Ordering::Relaxed)
+                + shared.queued.load(Ordering::Relaxed),
             ingested,
             latency_ms_p50: recent.percentile(0.5),
             latency_ms_p90: recent.percentile(0.9),

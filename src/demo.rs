@@ -24,9 +24,15 @@ pub fn run(dir: &Path, device: DeviceChoice, ui: &Ui) -> anyhow::Result<()> {
         .with_context(|| format!("cannot write the demo tree under {}", recordings.display()))?;
     // A copy of a leak under another name (one row, two paths) and a truncated recording
     // (quarantined with its reason).
-    std::fs::copy(&written[2 * PER_LABEL], recordings.join("LEAK").join("copy_of_a_leak.wav"))?;
+    std::fs::copy(
+        &written[2 * PER_LABEL],
+        recordings.join("LEAK").join("copy_of_a_leak.wav"),
+    )?;
     let bytes = std::fs::read(&written[0])?;
-    std::fs::write(recordings.join("NORMAL").join("cut_short.wav"), &bytes[..bytes.len() / 3])?;
+    std::fs::write(
+        recordings.join("NORMAL").join("cut_short.wav"),
+        &bytes[..bytes.len() / 3],
+    )?;
 
     let abs = std::fs::canonicalize(dir)?;
     let mut settings = Settings::default();

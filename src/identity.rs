@@ -52,7 +52,11 @@ fn parse_name_strict(file_name: &str) -> Option<NameMeta> {
     let [sensor, recording, stamp, gain] = parts.as_slice() else {
         return None;
     };
-    if sensor.is_empty() || recording.is_empty() || sensor.len() > ID_BYTES || recording.len() > ID_BYTES {
+    if sensor.is_empty()
+        || recording.is_empty()
+        || sensor.len() > ID_BYTES
+        || recording.len() > ID_BYTES
+    {
         return None;
     }
     let gain_db: f32 = gain.parse().ok().filter(|g: &f32| g.is_finite())?;
@@ -73,7 +77,11 @@ fn parse_timestamp(s: &str) -> Option<i64> {
     let month = time::Month::try_from(n(4..6)? as u8).ok()?;
     let date = time::Date::from_calendar_date(n(0..4)? as i32, month, n(6..8)? as u8).ok()?;
     let t = time::Time::from_hms(n(8..10)? as u8, n(10..12)? as u8, n(12..14)? as u8).ok()?;
-    Some(time::PrimitiveDateTime::new(date, t).assume_utc().unix_timestamp())
+    Some(
+        time::PrimitiveDateTime::new(date, t)
+            .assume_utc()
+            .unix_timestamp(),
+    )
 }
 
 /// Where a recording goes, decided from its path and hash.
@@ -86,9 +94,13 @@ pub struct Placement {
 /// Why a recording cannot be placed (it is quarantined with this reason).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PlacementError {
-    #[error("not inside a label folder: recordings go in <label>/<file>.wav under paths.recordings")]
+    #[error(
+        "not inside a label folder: recordings go in <label>/<file>.wav under paths.recordings"
+    )]
     NoLabelFolder,
-    #[error("label folder `{0}` is not in labels.names (add it, or set labels.unknown = \"append\")")]
+    #[error(
+        "label folder `{0}` is not in labels.names (add it, or set labels.unknown = \"append\")"
+    )]
     UnknownLabel(String),
     #[error("top-level folder `{0}` is not mapped to a split in splits.directories")]
     UnmappedSplitDir(String),
@@ -167,7 +179,10 @@ pub fn place(
             if parts.len() < 2 {
                 return Err(PlacementError::NoLabelFolder);
             }
-            (hash_split(hash, &settings.splits.ratios.as_array()), parts[0])
+            (
+                hash_split(hash, &settings.splits.ratios.as_array()),
+                parts[0],
+            )
         }
         SplitMode::Directory => {
             if parts.len() < 3 {
@@ -237,7 +252,10 @@ mod tests {
             counts[hash_split(&h, &[70, 20, 10])] += 1;
         }
         let frac: Vec<f64> = counts.iter().map(|&c| c as f64 / 20000.0).collect();
-        assert!((frac[0] - 0.7).abs() < 0.02 && (frac[1] - 0.2).abs() < 0.02, "{frac:?}");
+        assert!(
+            (frac[0] - 0.7).abs() < 0.02 && (frac[1] - 0.2).abs() < 0.02,
+            "{frac:?}"
+        );
         assert_eq!(hash_split(&content_hash(b"x"), &[0, 0, 100]), 2);
         assert_eq!(hash_split(&content_hash(b"x"), &[100, 0, 0]), 0);
     }
@@ -247,7 +265,10 @@ mod tests {
         let names = vec!["A".to_string(), "B".to_string()];
         let mut q = LabelSet::new(&names, &[], UnknownLabel::Quarantine);
         assert_eq!(q.resolve("B").unwrap(), (1, false));
-        assert!(matches!(q.resolve("C"), Err(PlacementError::UnknownLabel(_))));
+        assert!(matches!(
+            q.resolve("C"),
+            Err(PlacementError::UnknownLabel(_))
+        ));
         let mut a = LabelSet::new(&names, &["D".to_string()], UnknownLabel::Append);
         assert_eq!(a.resolve("D").unwrap(), (2, false));
         assert_eq!(a.resolve("C").unwrap(), (3, true));
@@ -261,7 +282,10 @@ mod tests {
         let mut labels = LabelSet::new(&s.labels.names, &[], s.labels.unknown);
         let h = content_hash(b"abc");
         assert_eq!(place(&s, &mut labels, "LEAK/a.wav", &h).unwrap().label, 2);
-        assert_eq!(place(&s, &mut labels, "a.wav", &h), Err(PlacementError::NoLabelFolder));
+        assert_eq!(
+            place(&s, &mut labels, "a.wav", &h),
+            Err(PlacementError::NoLabelFolder)
+        );
         assert!(matches!(
             place(&s, &mut labels, "LEAK/aaaaaaaaaaaaaaaaaaaaa.wav", &h),
             Err(PlacementError::PathTooLong { .. })
@@ -272,7 +296,9 @@ mod tests {
     fn directory_mode_takes_split_then_label() {
         let mut s = Settings::default();
         s.splits.mode = SplitMode::Directory;
-        s.splits.directories.insert("val".into(), "validation".into());
+        s.splits
+            .directories
+            .insert("val".into(), "validation".into());
         let mut labels = LabelSet::new(&s.labels.names, &[], s.labels.unknown);
         let h = content_hash(b"abc");
         let p = place(&s, &mut labels, "val/NORMAL/x.wav", &h).unwrap();

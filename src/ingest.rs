@@ -30,10 +30,17 @@ use std::time::{Duration, Instant};
 pub enum Op {
     /// The file is complete: ingest it (or notice it is unchanged). `seen` is when it was
     /// complete, for the latency figures.
-    Ingest { rel: String, seen: Instant },
-    Remove { rel: String },
+    Ingest {
+        rel: String,
+        seen: Instant,
+    },
+    Remove {
+        rel: String,
+    },
     /// A folder went away: everything the manifest has under it.
-    RemoveDir { rel: String },
+    RemoveDir {
+        rel: String,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -100,7 +107,7 @@ impl Ingestor {
         };
         let out_dir = &settings.paths.output;
         let mut outputs = if OutputSet::exists(out_dir, &settings.outputs) {
-            OutputSet::open_append(out_dir, &settings.outputs, &header, true)?
+            OutputSet::open_append(out_dir, &settings.outputs, &header, true, Some(known_rows))?
         } else if has_records {
             bail!(
                 "the manifest in {} lists ingested files but their outputs are missing from {}: run `ailhd rebuild`",
@@ -110,22 +117,15 @@ impl Ingestor {
         } else {
             OutputSet::create(out_dir, &settings.outputs, &header, true)?
         };
-        for split in 0..3 {
+        // open_append cut every split back to what the manifest accounts for; fewer rows than
+        // that means the outputs lost rows the manifest counts as ingested.
+        for (split, &known) in known_rows.iter().enumerate() {
             let on_disk = outputs.committed_rows(split);
-            let known = known_rows[split];
             if known > on_disk {
                 bail!(
                     "the manifest knows {known} {} rows but the outputs hold only {on_disk}: the outputs were changed behind ailhd's back. Run `ailhd rebuild`",
                     SPLITS[split]
                 );
-            }
-            if known < on_disk {
-                log::info!(
-                    "reclaiming {} {} rows written but never recorded (an interrupted batch); their files will be ingested again",
-                    on_disk - known,
-                    SPLITS[split]
-                );
-                outputs.truncate(split, known)?;
             }
         }
         outputs.set_labels(&labels.names)?;
@@ -186,10 +186,9 @@ impl Ingestor {
                 Ok(m) => m,
                 Err(_) => continue,
             };
-            let same = self
-                .manifest
-                .get_file(rel)?
-                .is_some_and(|rec| rec.size == meta.len() && rec.mtime_ns == pipeline::mtime_ns(&meta));
+            let same = self.manifest.get_file(rel)?.is_some_and(|rec| {
+                rec.size == meta.len() && rec.mtime_ns == pipeline::mtime_ns(&meta)
+            });
             if !same {
                 r.changed.push(rel.clone());
             }
@@ -270,14 +269,30 @@ impl Ingestor {
                 }
             }
             if let Err(reason) = &p.decoded {
-                self.quarantine(&mut tx, &mut out, &p.rel, Some(&hash), p.size, p.mtime_ns, reason);
+                self.quarantine(
+                    &mut tx,
+                    &mut out,
+                    &p.rel,
+                    Some(&hash),
+                    p.size,
+                    p.mtime_ns,
+                    reason,
+                );
                 continue;
             }
             let before = self.labels.names.len();
             let placement = match identity::place(&self.settings, &mut self.labels, &p.rel, &hash) {
                 Ok(pl) => pl,
                 Err(e) => {
-                    self.quarantine(&mut tx, &mut out, &p.rel, Some(&hash), p.size, p.mtime_ns, &e.to_string());
+                    self.quarantine(
+                        &mut tx,
+                        &mut out,
+                        &p.rel,
+                        Some(&hash),
+                        p.size,
+                        p.mtime_ns,
+                        &e.to_string(),
+                    );
                     continue;
                 }
             };
@@ -333,14 +348,21 @@ impl Ingestor {
                 let wl = shape.waveform_len();
                 let mut w = vec![0f32; rows.len() * wl];
                 for (i, wave) in waves.iter().enumerate() {
-                    pipeline::segment_waveform(wave, &self.settings.features, &shape, &mut w[i * wl..(i + 1) * wl]);
+                    pipeline::segment_waveform(
+                        wave,
+                        &self.settings.features,
+                        &shape,
+                        &mut w[i * wl..(i + 1) * wl],
+                    );
                 }
                 w
             });
             StageTimes::add(&self.times.featurise, t);
             let metas: Vec<RowMeta> = rows.iter().map(|(_, m, _)| m.clone()).collect();
             let t = Instant::now();
-            let first = self.outputs.append(split, &mel, waveform.as_deref(), &metas)?;
+            let first = self
+                .outputs
+                .append(split, &mel, waveform.as_deref(), &metas)?;
             StageTimes::add(&self.times.write, t);
             for (i, (hash, meta, _)) in rows.iter().enumerate() {
                 tx.contents.insert(
@@ -363,7 +385,10 @@ impl Ingestor {
                 continue;
             }
             let hash = parse_hex(rec.hash.as_deref().unwrap_or_default());
-            let c = tx.contents.get_mut(&hash).with_context(|| format!("no row for {rel}"))?;
+            let c = tx
+                .contents
+                .get_mut(&hash)
+                .with_context(|| format!("no row for {rel}"))?;
             c.refs += 1;
             rec.row = Some(c.row);
         }
@@ -371,7 +396,9 @@ impl Ingestor {
         // In-place edits of rows that existed before this batch.
         let t = Instant::now();
         for (hash, c) in &tx.contents {
-            let Some(before) = tx.original.get(hash) else { continue };
+            let Some(before) = tx.original.get(hash) else {
+                continue;
+            };
             if before.valid != c.valid {
                 self.outputs.set_valid(c.split as usize, c.row, c.valid)?;
             }
@@ -400,8 +427,10 @@ impl Ingestor {
         }
         if appended_label {
             let appended = &self.labels.names[self.settings.labels.names.len()..];
-            self.manifest.set_meta("appended_labels", &serde_json::to_string(appended)?)?;
-            self.manifest.set_meta("labels", &serde_json::to_string(&self.labels.names)?)?;
+            self.manifest
+                .set_meta("appended_labels", &serde_json::to_string(appended)?)?;
+            self.manifest
+                .set_meta("labels", &serde_json::to_string(&self.labels.names)?)?;
         }
         self.manifest.apply(contents)?;
         self.manifest.apply(files)?;
@@ -481,7 +510,10 @@ impl Ingestor {
         reason: &str,
     ) {
         log::warn!(file = rel, reason = reason; "quarantined {rel}: {reason}");
-        tx.files.insert(rel.to_string(), Some(quarantined(hash, size, mtime_ns, reason)));
+        tx.files.insert(
+            rel.to_string(),
+            Some(quarantined(hash, size, mtime_ns, reason)),
+        );
         out.quarantined.push((rel.to_string(), reason.to_string()));
     }
 
@@ -532,7 +564,9 @@ impl Ingestor {
 }
 
 fn parse_hex(s: &str) -> Hash {
-    blake3::Hash::from_hex(s).map(|h| *h.as_bytes()).unwrap_or([0; 32])
+    blake3::Hash::from_hex(s)
+        .map(|h| *h.as_bytes())
+        .unwrap_or([0; 32])
 }
 
 fn quarantined(hash: Option<&Hash>, size: u64, mtime_ns: i64, reason: &str) -> FileRecord {

@@ -51,7 +51,12 @@ pub fn inspect(settings: &Settings, file: &Path) -> anyhow::Result<(Inspection, 
         sq += (x as f64) * (x as f64);
     }
     let vals: Vec<f32> = row.iter().map(|v| v.to_f32()).collect();
-    let name = identity::parse_name(&file.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default());
+    let name = identity::parse_name(
+        &file
+            .file_name()
+            .map(|s| s.to_string_lossy().to_string())
+            .unwrap_or_default(),
+    );
     Ok((
         Inspection {
             file: file.display().to_string(),
@@ -97,7 +102,10 @@ pub fn render(i: &Inspection) -> String {
 pub fn write_png(row: &[f16], shape: [usize; 4], out: &Path) -> anyhow::Result<()> {
     let [nl, ns, nm, nt] = shape;
     let cols = nl * ns * nt;
-    let (sx, sy) = ((800 / cols.max(1)).clamp(1, 16), (256 / nm.max(1)).clamp(1, 8));
+    let (sx, sy) = (
+        (800 / cols.max(1)).clamp(1, 16),
+        (256 / nm.max(1)).clamp(1, 8),
+    );
     let (w, h) = (cols * sx, nm * sy);
     let vals: Vec<f32> = row.iter().map(|v| v.to_f32()).collect();
     let hi = vals.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -116,7 +124,8 @@ pub fn write_png(row: &[f16], shape: [usize; 4], out: &Path) -> anyhow::Result<(
             }
         }
     }
-    let file = std::fs::File::create(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let file =
+        std::fs::File::create(out).with_context(|| format!("cannot create {}", out.display()))?;
     let mut enc = png::Encoder::new(std::io::BufWriter::new(file), w as u32, h as u32);
     enc.set_color(png::ColorType::Grayscale);
     enc.set_depth(png::BitDepth::Eight);

@@ -16,8 +16,9 @@ pub struct WriterLock {
 impl WriterLock {
     /// Take the lock for `role` ("run", "rebuild"), or say who holds it.
     pub fn acquire(state_dir: &Path, role: &str) -> anyhow::Result<WriterLock> {
-        std::fs::create_dir_all(state_dir)
-            .with_context(|| format!("cannot create the state directory {}", state_dir.display()))?;
+        std::fs::create_dir_all(state_dir).with_context(|| {
+            format!("cannot create the state directory {}", state_dir.display())
+        })?;
         let path = state_dir.join("ailhd.lock");
         let mut file = OpenOptions::new()
             .read(true)
@@ -84,8 +85,14 @@ mod tests {
     fn second_writer_is_refused_with_the_holder_named() {
         let dir = tempfile::tempdir().unwrap();
         let first = WriterLock::acquire(dir.path(), "run").unwrap();
-        let err = WriterLock::acquire(dir.path(), "rebuild").err().unwrap().to_string();
-        assert!(err.contains("ailhd run") && err.contains(&std::process::id().to_string()), "{err}");
+        let err = WriterLock::acquire(dir.path(), "rebuild")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("ailhd run") && err.contains(&std::process::id().to_string()),
+            "{err}"
+        );
         assert!(WriterLock::holder(dir.path()).is_some());
         drop(first);
         assert!(WriterLock::holder(dir.path()).is_none());

@@ -37,7 +37,11 @@ struct Stderr {
 struct KvText(String);
 
 impl<'kvs> log::kv::VisitSource<'kvs> for KvText {
-    fn visit_pair(&mut self, key: log::kv::Key<'kvs>, value: log::kv::Value<'kvs>) -> Result<(), log::kv::Error> {
+    fn visit_pair(
+        &mut self,
+        key: log::kv::Key<'kvs>,
+        value: log::kv::Value<'kvs>,
+    ) -> Result<(), log::kv::Error> {
         use std::fmt::Write;
         let _ = write!(self.0, " {key}={value}");
         Ok(())
@@ -61,7 +65,12 @@ impl Log for Stderr {
             Level::Debug => "debug",
             Level::Trace => "trace",
         };
-        let _ = writeln!(std::io::stderr().lock(), "ailhd: {tag}: {}{}", record.args(), kv.0);
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "ailhd: {tag}: {}{}",
+            record.args(),
+            kv.0
+        );
     }
     fn flush(&self) {}
 }

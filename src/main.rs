@@ -9,7 +9,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "ailhd", version, about = "Acoustic leak detection ingestion: WAV recordings -> segmented mel-spectrogram datasets (HDF5 + npy)")]
+#[command(
+    name = "ailhd",
+    version,
+    about = "Acoustic leak detection ingestion: WAV recordings -> segmented mel-spectrogram datasets (HDF5 + npy)"
+)]
 struct Cli {
     /// Configuration file (else $AILHD_CONFIG, else /etc/ailhd/ailhd.toml, else built-in defaults).
     #[arg(long, global = true, value_name = "FILE")]
@@ -78,7 +82,8 @@ fn main() -> ExitCode {
     match dispatch(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let usage = e.downcast_ref::<UsageError>().is_some() || e.downcast_ref::<ailhd::config::ConfigError>().is_some();
+            let usage = e.downcast_ref::<UsageError>().is_some()
+                || e.downcast_ref::<ailhd::config::ConfigError>().is_some();
             eprintln!("ailhd: error: {e:#}");
             ExitCode::from(if usage { 2 } else { 1 })
         }

@@ -66,11 +66,19 @@ pub enum ManifestError {
     #[error("manifest {path}: {source}")]
     Db { path: String, source: sled::Error },
     #[error("manifest {path} has schema version {found}, newer than this ailhd supports ({supported}): upgrade ailhd, or move the state directory away and run `ailhd rebuild`")]
-    TooNew { path: String, found: u32, supported: u32 },
+    TooNew {
+        path: String,
+        found: u32,
+        supported: u32,
+    },
     #[error("manifest {path} has unknown schema version `{found}`: move the state directory away and run `ailhd rebuild`")]
     Unknown { path: String, found: String },
     #[error("manifest {path}: corrupt record for `{key}`: {message}")]
-    Corrupt { path: String, key: String, message: String },
+    Corrupt {
+        path: String,
+        key: String,
+        message: String,
+    },
 }
 
 pub struct Manifest {
@@ -139,7 +147,10 @@ impl Manifest {
         match m.meta.get("schema_version").map_err(db_err)? {
             None if m.files.is_empty() && m.content.is_empty() => {
                 m.meta
-                    .insert("schema_version", MANIFEST_SCHEMA_VERSION.to_string().as_bytes())
+                    .insert(
+                        "schema_version",
+                        MANIFEST_SCHEMA_VERSION.to_string().as_bytes(),
+                    )
                     .map_err(db_err)?;
             }
             None => {
@@ -180,7 +191,9 @@ impl Manifest {
     }
 
     pub fn set_meta(&self, key: &str, value: &str) -> Result<(), ManifestError> {
-        self.meta.insert(key, value.as_bytes()).map_err(|e| self.err(e))?;
+        self.meta
+            .insert(key, value.as_bytes())
+            .map_err(|e| self.err(e))?;
         Ok(())
     }
 
@@ -235,7 +248,9 @@ impl Manifest {
     }
 
     /// Every content record.
-    pub fn contents(&self) -> impl Iterator<Item = Result<(Hash, ContentRecord), ManifestError>> + '_ {
+    pub fn contents(
+        &self,
+    ) -> impl Iterator<Item = Result<(Hash, ContentRecord), ManifestError>> + '_ {
         self.content.iter().map(move |kv| {
             let (k, v) = kv.map_err(|e| self.err(e))?;
             let mut hash = [0u8; 32];
@@ -254,8 +269,12 @@ impl Manifest {
     }
 
     pub fn apply(&self, batch: ManifestBatch) -> Result<(), ManifestError> {
-        self.files.apply_batch(batch.files).map_err(|e| self.err(e))?;
-        self.content.apply_batch(batch.content).map_err(|e| self.err(e))?;
+        self.files
+            .apply_batch(batch.files)
+            .map_err(|e| self.err(e))?;
+        self.content
+            .apply_batch(batch.content)
+            .map_err(|e| self.err(e))?;
         Ok(())
     }
 
@@ -291,12 +310,24 @@ mod tests {
             let m = Manifest::open(dir.path()).unwrap();
             let mut b = ManifestBatch::default();
             b.put_file("LEAK/a.wav", &rec(FileState::Committed));
-            b.put_content(&[7; 32], &ContentRecord { split: 0, row: 3, label: 1, valid: true, refs: 1 });
+            b.put_content(
+                &[7; 32],
+                &ContentRecord {
+                    split: 0,
+                    row: 3,
+                    label: 1,
+                    valid: true,
+                    refs: 1,
+                },
+            );
             m.apply(b).unwrap();
             m.flush().unwrap();
         }
         let m = Manifest::open(dir.path()).unwrap();
-        assert_eq!(m.get_file("LEAK/a.wav").unwrap(), Some(rec(FileState::Committed)));
+        assert_eq!(
+            m.get_file("LEAK/a.wav").unwrap(),
+            Some(rec(FileState::Committed))
+        );
         assert_eq!(m.get_content(&[7; 32]).unwrap().unwrap().row, 3);
         assert_eq!(m.files().count(), 1);
     }

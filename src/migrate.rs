@@ -63,6 +63,9 @@ mod tests {
         assert!(check_manifest_version("m", MANIFEST_SCHEMA_VERSION).is_ok());
         assert!(check_manifest_version("m", MANIFEST_SCHEMA_VERSION + 1).is_err());
         assert!(check_manifest_version("m", 0).is_err());
-        assert!(check_output_version("o", OUTPUT_SCHEMA_VERSION + 1).unwrap_err().to_string().contains("newer"));
+        assert!(check_output_version("o", OUTPUT_SCHEMA_VERSION + 1)
+            .unwrap_err()
+            .to_string()
+            .contains("newer"));
     }
 }

@@ -58,7 +58,13 @@ pub fn mtime_ns(meta: &std::fs::Metadata) -> i64 {
 
 /// Read, hash and decode one file. Size and mtime are taken from the open file, so they
 /// describe the bytes that were hashed.
-pub fn prepare(root: &Path, rel: &str, features: &FeatureSettings, shape: &FeatureShape, times: &StageTimes) -> Prepared {
+pub fn prepare(
+    root: &Path,
+    rel: &str,
+    features: &FeatureSettings,
+    shape: &FeatureShape,
+    times: &StageTimes,
+) -> Prepared {
     let t = Instant::now();
     let read = (|| {
         use std::io::Read;
@@ -119,7 +125,12 @@ pub fn row_meta(rel: &str, hash: &Hash, label: i16) -> RowMeta {
 }
 
 /// `segments_waveform` of one recording: the short windows, `[num_long][num_short][short_window]`.
-pub fn segment_waveform(w: &Waveform, features: &FeatureSettings, shape: &FeatureShape, out: &mut [f32]) {
+pub fn segment_waveform(
+    w: &Waveform,
+    features: &FeatureSettings,
+    shape: &FeatureShape,
+    out: &mut [f32],
+) {
     let sw = shape.short_window;
     for l in 0..shape.num_long {
         for s in 0..shape.num_short {

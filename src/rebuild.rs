@@ -103,7 +103,11 @@ pub struct Ui {
     pub progress: bool,
 }
 
-pub fn rebuild(settings: &Settings, device: DeviceChoice, ui: &Ui) -> anyhow::Result<RebuildReport> {
+pub fn rebuild(
+    settings: &Settings,
+    device: DeviceChoice,
+    ui: &Ui,
+) -> anyhow::Result<RebuildReport> {
     let started = Instant::now();
     let _lock = WriterLock::acquire(&settings.paths.state, "rebuild")?;
     staging::finish_pending(settings)?;
@@ -117,7 +121,11 @@ pub fn rebuild(settings: &Settings, device: DeviceChoice, ui: &Ui) -> anyhow::Re
         Vec::new()
     };
     let (files, not_utf8) = scan(&settings.paths.recordings)?;
-    let mut labels = LabelSet::new(&settings.labels.names, &appended_before, settings.labels.unknown);
+    let mut labels = LabelSet::new(
+        &settings.labels.names,
+        &appended_before,
+        settings.labels.unknown,
+    );
     for rel in &files {
         if let Some(folder) = label_folder(settings, rel) {
             let _ = labels.resolve(folder);
@@ -163,7 +171,9 @@ pub fn rebuild(settings: &Settings, device: DeviceChoice, ui: &Ui) -> anyhow::Re
         rows_per_label: vec![0; labels.names.len()],
     };
     for rel in &not_utf8 {
-        report.quarantined.push((rel.clone(), "path is not valid UTF-8".into()));
+        report
+            .quarantined
+            .push((rel.clone(), "path is not valid UTF-8".into()));
     }
 
     let (tx, rx) = crossbeam_channel::bounded::<Chunk>(1);
@@ -216,7 +226,10 @@ pub fn rebuild(settings: &Settings, device: DeviceChoice, ui: &Ui) -> anyhow::Re
     // Non-UTF-8 paths are recorded too, so `status` lists them.
     let mut batch = ManifestBatch::default();
     for rel in &not_utf8 {
-        batch.put_file(rel, &quarantine_record(None, 0, 0, "path is not valid UTF-8"));
+        batch.put_file(
+            rel,
+            &quarantine_record(None, 0, 0, "path is not valid UTF-8"),
+        );
     }
     manifest.apply(batch)?;
     manifest.set_meta("rebuilt_at_ms", &now_ms().to_string())?;
@@ -289,7 +302,9 @@ fn prepare_chunk(
                 continue; // deleted while we were scanning: nothing to ingest
             }
             let reason = p.decoded.as_ref().err().cloned().unwrap_or_default();
-            chunk.quarantined.push((p.rel.clone(), quarantine_record(None, 0, 0, &reason)));
+            chunk
+                .quarantined
+                .push((p.rel.clone(), quarantine_record(None, 0, 0, &reason)));
             continue;
         };
         let base = FileRecord {
@@ -306,9 +321,10 @@ fn prepare_chunk(
         let waveform = match &p.decoded {
             Ok(w) => w,
             Err(reason) => {
-                chunk
-                    .quarantined
-                    .push((p.rel.clone(), quarantine_record(Some(&hash), p.size, p.mtime_ns, reason)));
+                chunk.quarantined.push((
+                    p.rel.clone(),
+                    quarantine_record(Some(&hash), p.size, p.mtime_ns, reason),
+                ));
                 continue;
             }
         };
@@ -316,9 +332,10 @@ fn prepare_chunk(
             Ok(pl) => pl,
             Err(e) => {
                 let reason = e.to_string();
-                chunk
-                    .quarantined
-                    .push((p.rel.clone(), quarantine_record(Some(&hash), p.size, p.mtime_ns, &reason)));
+                chunk.quarantined.push((
+                    p.rel.clone(),
+                    quarantine_record(Some(&hash), p.size, p.mtime_ns, &reason),
+                ));
                 continue;
             }
         };
@@ -352,7 +369,12 @@ fn prepare_chunk(
             let wl = shape.waveform_len();
             let mut w = vec![0f32; batch.len() * wl];
             for (i, wave) in batch.iter().enumerate() {
-                pipeline::segment_waveform(wave, &settings.features, &shape, &mut w[i * wl..(i + 1) * wl]);
+                pipeline::segment_waveform(
+                    wave,
+                    &settings.features,
+                    &shape,
+                    &mut w[i * wl..(i + 1) * wl],
+                );
             }
             chunk.waveform[split] = w;
         }
@@ -382,7 +404,8 @@ fn write_chunks(
                 continue;
             }
             let metas: Vec<RowMeta> = rows.iter().map(|(m, _)| m.clone()).collect();
-            let waveform = (!chunk.waveform[split].is_empty()).then_some(&chunk.waveform[split][..]);
+            let waveform =
+                (!chunk.waveform[split].is_empty()).then_some(&chunk.waveform[split][..]);
             let first = outputs.append(split, &chunk.mel[split], waveform, &metas)?;
             for (i, (meta, rec)) in rows.iter().enumerate() {
                 let row = first + i as u64;
@@ -395,14 +418,22 @@ fn write_chunks(
                 };
                 batch.put_content(&meta.blake3, &content);
                 rows_of.insert(meta.blake3, content);
-                batch.put_file(&meta.source_path, &FileRecord { row: Some(row), ..rec.clone() });
+                batch.put_file(
+                    &meta.source_path,
+                    &FileRecord {
+                        row: Some(row),
+                        ..rec.clone()
+                    },
+                );
                 *per_label.entry(meta.label).or_default() += 1;
             }
         }
         StageTimes::add(&times.write, t);
         let t = Instant::now();
         for (rel, hash, rec) in chunk.duplicates {
-            let c = rows_of.get_mut(&hash).expect("a duplicate follows its first copy");
+            let c = rows_of
+                .get_mut(&hash)
+                .expect("a duplicate follows its first copy");
             c.refs += 1;
             batch.put_content(&hash, c);
             dups += 1;
@@ -449,23 +480,49 @@ pub fn summary(settings: &Settings, r: &RebuildReport) -> String {
     for (split, name) in SPLITS.iter().enumerate() {
         let mut where_ = Vec::new();
         if settings.outputs.hdf5 {
-            where_.push(crate::output::hdf5_path(&settings.paths.output, &settings.outputs.hdf5_names, split).display().to_string());
+            where_.push(
+                crate::output::hdf5_path(
+                    &settings.paths.output,
+                    &settings.outputs.hdf5_names,
+                    split,
+                )
+                .display()
+                .to_string(),
+            );
         }
         if settings.outputs.npy {
-            where_.push(crate::output::npy_dir(&settings.paths.output, split).display().to_string() + "/");
+            where_.push(
+                crate::output::npy_dir(&settings.paths.output, split)
+                    .display()
+                    .to_string()
+                    + "/",
+            );
         }
-        let _ = writeln!(s, "  {name:<10} {:>7} rows  {}", r.rows[split], where_.join("  "));
+        let _ = writeln!(
+            s,
+            "  {name:<10} {:>7} rows  {}",
+            r.rows[split],
+            where_.join("  ")
+        );
     }
     let _ = writeln!(s, "  rows per label:");
     for (i, l) in r.labels.iter().enumerate() {
-        let _ = writeln!(s, "    {i:>2} {l:<14} {}", r.rows_per_label.get(i).copied().unwrap_or(0));
+        let _ = writeln!(
+            s,
+            "    {i:>2} {l:<14} {}",
+            r.rows_per_label.get(i).copied().unwrap_or(0)
+        );
     }
     let _ = writeln!(s, "  quarantined: {}", r.quarantined.len());
     for (rel, reason) in r.quarantined.iter().take(20) {
         let _ = writeln!(s, "    {rel}: {reason}");
     }
     if r.quarantined.len() > 20 {
-        let _ = writeln!(s, "    ... and {} more (ailhd status)", r.quarantined.len() - 20);
+        let _ = writeln!(
+            s,
+            "    ... and {} more (ailhd status)",
+            r.quarantined.len() - 20
+        );
     }
     s
 }

@@ -88,12 +88,15 @@ pub fn finish_pending(settings: &Settings) -> anyhow::Result<()> {
             let old = fin.with_extension("old");
             remove_any(&old)?;
             if fin.exists() {
-                std::fs::rename(&fin, &old).with_context(|| format!("cannot move {} aside", fin.display()))?;
+                std::fs::rename(&fin, &old)
+                    .with_context(|| format!("cannot move {} aside", fin.display()))?;
             }
-            std::fs::rename(&staged, &fin).with_context(|| format!("cannot move {} into place", staged.display()))?;
+            std::fs::rename(&staged, &fin)
+                .with_context(|| format!("cannot move {} into place", staged.display()))?;
             remove_any(&old)?;
         } else {
-            std::fs::rename(&staged, &fin).with_context(|| format!("cannot move {} into place", staged.display()))?;
+            std::fs::rename(&staged, &fin)
+                .with_context(|| format!("cannot move {} into place", staged.display()))?;
         }
         if let Some(parent) = fin.parent() {
             sync_dir(parent);
@@ -107,7 +110,9 @@ pub fn finish_pending(settings: &Settings) -> anyhow::Result<()> {
 
 fn remove_any(p: &Path) -> anyhow::Result<()> {
     match std::fs::symlink_metadata(p) {
-        Ok(m) if m.is_dir() => std::fs::remove_dir_all(p).with_context(|| format!("cannot remove {}", p.display())),
+        Ok(m) if m.is_dir() => {
+            std::fs::remove_dir_all(p).with_context(|| format!("cannot remove {}", p.display()))
+        }
         Ok(_) => std::fs::remove_file(p).with_context(|| format!("cannot remove {}", p.display())),
         Err(_) => Ok(()),
     }
@@ -148,16 +153,28 @@ mod tests {
 
         // Without the journal nothing moves (an interrupted rebuild changes nothing).
         finish_pending(&s).unwrap();
-        assert_eq!(std::fs::read(hdf5_path(&s.paths.output, &s.outputs.hdf5_names, 0)).unwrap(), b"old");
+        assert_eq!(
+            std::fs::read(hdf5_path(&s.paths.output, &s.outputs.hdf5_names, 0)).unwrap(),
+            b"old"
+        );
 
         swap_in(&s).unwrap();
-        assert_eq!(std::fs::read(hdf5_path(&s.paths.output, &s.outputs.hdf5_names, 0)).unwrap(), b"new");
-        assert_eq!(std::fs::read(npy_dir(&s.paths.output, 0).join("labels.npy")).unwrap(), b"new");
+        assert_eq!(
+            std::fs::read(hdf5_path(&s.paths.output, &s.outputs.hdf5_names, 0)).unwrap(),
+            b"new"
+        );
+        assert_eq!(
+            std::fs::read(npy_dir(&s.paths.output, 0).join("labels.npy")).unwrap(),
+            b"new"
+        );
         assert_eq!(std::fs::read(manifest_dir(&s).join("db")).unwrap(), b"new");
         assert!(!stage.exists() && !journal(&s).exists());
         // A journal left by a crash after the moves: rolling forward again changes nothing.
         std::fs::write(journal(&s), b"x").unwrap();
         finish_pending(&s).unwrap();
-        assert_eq!(std::fs::read(npy_dir(&s.paths.output, 0).join("labels.npy")).unwrap(), b"new");
+        assert_eq!(
+            std::fs::read(npy_dir(&s.paths.output, 0).join("labels.npy")).unwrap(),
+            b"new"
+        );
     }
 }

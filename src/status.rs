@@ -80,7 +80,10 @@ pub fn collect(manifest: &Manifest, labels: &[String]) -> anyhow::Result<StatusR
         split.rows += 1;
         if c.valid {
             split.valid += 1;
-            let name = labels.get(c.label as usize).cloned().unwrap_or_else(|| format!("#{}", c.label));
+            let name = labels
+                .get(c.label as usize)
+                .cloned()
+                .unwrap_or_else(|| format!("#{}", c.label));
             *split.per_label.entry(name).or_default() += 1;
         }
     }
@@ -93,10 +96,14 @@ pub fn collect(manifest: &Manifest, labels: &[String]) -> anyhow::Result<StatusR
 pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
     if let Some(holder) = WriterLock::holder(&settings.paths.state) {
         let path = snapshot_path(settings);
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("{holder} holds the manifest and has not written {} yet", path.display()))?;
-        let mut r: StatusReport =
-            serde_json::from_str(&text).with_context(|| format!("cannot parse {}", path.display()))?;
+        let text = std::fs::read_to_string(&path).with_context(|| {
+            format!(
+                "{holder} holds the manifest and has not written {} yet",
+                path.display()
+            )
+        })?;
+        let mut r: StatusReport = serde_json::from_str(&text)
+            .with_context(|| format!("cannot parse {}", path.display()))?;
         r.writer = Some(holder);
         return Ok(r);
     }
@@ -109,7 +116,9 @@ pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
     }
     let manifest = Manifest::open(&dir)?;
     let appended = manifest.appended_labels()?;
-    let labels = crate::identity::LabelSet::new(&settings.labels.names, &appended, settings.labels.unknown).names;
+    let labels =
+        crate::identity::LabelSet::new(&settings.labels.names, &appended, settings.labels.unknown)
+            .names;
     collect(&manifest, &labels)
 }
 
@@ -125,7 +134,10 @@ pub fn render(r: &StatusReport) -> String {
         }
     }
     if let Some(svc) = &r.service {
-        let ms = |v: Option<f64>| v.map(|x| format!("{x:.1} ms")).unwrap_or_else(|| "-".into());
+        let ms = |v: Option<f64>| {
+            v.map(|x| format!("{x:.1} ms"))
+                .unwrap_or_else(|| "-".into())
+        };
         let _ = writeln!(
             s,
             "service: pid {} on {}, queue {}, ingested {}, latency p50 {} p90 {} p99 {}",
@@ -142,11 +154,29 @@ pub fn render(r: &StatusReport) -> String {
         }
     }
     let files: Vec<String> = r.files.iter().map(|(k, v)| format!("{k} {v}")).collect();
-    let _ = writeln!(s, "files: {}", if files.is_empty() { "none".into() } else { files.join(", ") });
+    let _ = writeln!(
+        s,
+        "files: {}",
+        if files.is_empty() {
+            "none".into()
+        } else {
+            files.join(", ")
+        }
+    );
     for name in SPLITS {
         if let Some(sp) = r.splits.get(name) {
-            let labels: Vec<String> = sp.per_label.iter().map(|(k, v)| format!("{k} {v}")).collect();
-            let _ = writeln!(s, "{name:<10} rows {:>7} (valid {:>7})  {}", sp.rows, sp.valid, labels.join(", "));
+            let labels: Vec<String> = sp
+                .per_label
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect();
+            let _ = writeln!(
+                s,
+                "{name:<10} rows {:>7} (valid {:>7})  {}",
+                sp.rows,
+                sp.valid,
+                labels.join(", ")
+            );
         }
     }
     let _ = writeln!(s, "quarantined: {}", r.quarantined.len());

@@ -89,7 +89,11 @@ pub fn file_name(index: usize, seed: u64) -> String {
     let sensor = index % 17 + 1;
     let secs = 1_737_201_930 + index as i64 * 60;
     let dt = time::OffsetDateTime::from_unix_timestamp(secs).unwrap();
-    let gain = if (seed + index as u64) % 23 == 0 { 1 } else { 100 };
+    let gain = if (seed + index as u64) % 23 == 0 {
+        1
+    } else {
+        100
+    };
     format!(
         "S{sensor:03}~R{index:06}~{:04}{:02}{:02}{:02}{:02}{:02}~{gain}.wav",
         dt.year(),
@@ -102,7 +106,12 @@ pub fn file_name(index: usize, seed: u64) -> String {
 }
 
 /// Write `per_label` clips for each label under `root/<label>/`. Returns the paths written.
-pub fn write_tree(root: &Path, labels: &[&str], per_label: usize, seed: u64) -> std::io::Result<Vec<PathBuf>> {
+pub fn write_tree(
+    root: &Path,
+    labels: &[&str],
+    per_label: usize,
+    seed: u64,
+) -> std::io::Result<Vec<PathBuf>> {
     let mut paths = Vec::new();
     for (li, label) in labels.iter().enumerate() {
         let dir = root.join(label);

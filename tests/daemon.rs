@@ -37,7 +37,12 @@ impl Service {
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
-    fn wait(&self, world: &World, what: &str, mut f: impl FnMut(&serde_json::Value) -> bool) -> serde_json::Value {
+    fn wait(
+        &self,
+        world: &World,
+        what: &str,
+        mut f: impl FnMut(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
         let t = Instant::now();
         loop {
             let snap = std::fs::read_to_string(world.state().join("status.json"))
@@ -48,7 +53,11 @@ impl Service {
                     return s;
                 }
             }
-            assert!(t.elapsed() < Duration::from_secs(60), "timed out waiting for {what}; log:\n{}", self.log());
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "timed out waiting for {what}; log:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -74,7 +83,12 @@ fn quarantined(s: &serde_json::Value) -> BTreeMap<String, String> {
         .as_array()
         .map(|a| {
             a.iter()
-                .map(|q| (q["path"].as_str().unwrap().to_string(), q["reason"].as_str().unwrap().to_string()))
+                .map(|q| {
+                    (
+                        q["path"].as_str().unwrap().to_string(),
+                        q["reason"].as_str().unwrap().to_string(),
+                    )
+                })
                 .collect()
         })
         .unwrap_or_default()
@@ -102,11 +116,18 @@ fn expected(world: &World) -> serde_json::Value {
         if ailhd::decode::decode(&bytes, 4096, 40960).is_err() {
             continue;
         }
-        let Some(label) = names.iter().position(|n| rel.split('/').next() == Some(n.as_str())) else { continue };
+        let Some(label) = names
+            .iter()
+            .position(|n| rel.split('/').next() == Some(n.as_str()))
+        else {
+            continue;
+        };
         if !rel.contains('/') {
             continue;
         }
-        map.entry(ailhd::identity::hex(&ailhd::identity::content_hash(&bytes))).or_default().push(label as i16);
+        map.entry(ailhd::identity::hex(&ailhd::identity::content_hash(&bytes)))
+            .or_default()
+            .push(label as i16);
     }
     serde_json::to_value(map).unwrap()
 }
@@ -146,7 +167,11 @@ fn ingests_every_kind_of_arrival_and_survives_a_restart() {
         .unwrap();
 
     // cp
-    std::fs::copy(fixtures().join("wav/tone_pcm16.wav"), rec.join("LEAK/cp.wav")).unwrap();
+    std::fs::copy(
+        fixtures().join("wav/tone_pcm16.wav"),
+        rec.join("LEAK/cp.wav"),
+    )
+    .unwrap();
     // a slow writer holding the file open, in chunks
     let slow = fixture_bytes("leak_pcm16");
     {
@@ -162,21 +187,36 @@ fn ingests_every_kind_of_arrival_and_survives_a_restart() {
     // a fresh deep folder, written right after mkdir -p
     let deep = rec.join("NORMAL/site9/2025/01");
     std::fs::create_dir_all(&deep).unwrap();
-    std::fs::write(deep.join("S009~R1~20250101000000~100.wav"), fixture_bytes("stereo_pcm16")).unwrap();
+    std::fs::write(
+        deep.join("S009~R1~20250101000000~100.wav"),
+        fixture_bytes("stereo_pcm16"),
+    )
+    .unwrap();
     // a duplicate of cp.wav under another label
     std::fs::copy(rec.join("LEAK/cp.wav"), rec.join("NORMAL/dup.wav")).unwrap();
     let s = svc.wait(&world, "5 files committed", |s| committed(s) == 5);
-    let rows: u64 = ["training", "validation", "testing"].iter().map(|k| s["splits"][k]["rows"].as_u64().unwrap()).sum();
+    let rows: u64 = ["training", "validation", "testing"]
+        .iter()
+        .map(|k| s["splits"][k]["rows"].as_u64().unwrap())
+        .sum();
     assert_eq!(rows, 4, "the duplicate shares its row: {s}");
 
     // move between labels: same row, label updated
     std::fs::create_dir_all(rec.join("CRACK")).unwrap();
     std::fs::rename(rec.join("LEAK/renamed.wav"), rec.join("CRACK/renamed.wav")).unwrap();
     svc.wait(&world, "move relabelled", |s| {
-        s["splits"].as_object().unwrap().values().any(|v| v["per_label"]["CRACK"].as_u64() == Some(1))
+        s["splits"]
+            .as_object()
+            .unwrap()
+            .values()
+            .any(|v| v["per_label"]["CRACK"].as_u64() == Some(1))
     });
     // new bytes at a known path; a deletion
-    std::fs::write(deep.join("S009~R1~20250101000000~100.wav"), fixture_bytes("tone_pcm32")).unwrap();
+    std::fs::write(
+        deep.join("S009~R1~20250101000000~100.wav"),
+        fixture_bytes("tone_pcm32"),
+    )
+    .unwrap();
     std::fs::remove_file(rec.join("LEAK/slow.wav")).unwrap();
     // every invalid fixture
     let cases = cases();
@@ -188,35 +228,69 @@ fn ingests_every_kind_of_arrival_and_survives_a_restart() {
         .map(|(n, _)| n.clone())
         .collect();
     for name in &invalid {
-        std::fs::copy(fixtures().join(format!("wav/{name}.wav")), rec.join(format!("LEAK/bad_{name}.wav"))).unwrap();
+        std::fs::copy(
+            fixtures().join(format!("wav/{name}.wav")),
+            rec.join(format!("LEAK/bad_{name}.wav")),
+        )
+        .unwrap();
     }
-    let s = svc.wait(&world, "invalid files quarantined", |s| quarantined(s).len() == invalid.len());
+    let s = svc.wait(&world, "invalid files quarantined", |s| {
+        quarantined(s).len() == invalid.len()
+    });
     let q = quarantined(&s);
     for name in &invalid {
         let reason = &q[&format!("LEAK/bad_{name}.wav")];
         assert!(!reason.is_empty(), "{name}: no reason");
     }
-    assert!(q["LEAK/bad_truncated.wav"].to_lowercase().contains("truncated"), "{q:?}");
-    assert!(q["LEAK/bad_recording_in_progress.wav"].to_lowercase().contains("in progress"), "{q:?}");
+    assert!(
+        q["LEAK/bad_truncated.wav"]
+            .to_lowercase()
+            .contains("truncated"),
+        "{q:?}"
+    );
+    assert!(
+        q["LEAK/bad_recording_in_progress.wav"]
+            .to_lowercase()
+            .contains("in progress"),
+        "{q:?}"
+    );
     svc.wait(&world, "overwrite and delete applied", |s| {
-        let valid: u64 = ["training", "validation", "testing"].iter().map(|k| s["splits"][k]["valid"].as_u64().unwrap()).sum();
-        let rows: u64 = ["training", "validation", "testing"].iter().map(|k| s["splits"][k]["rows"].as_u64().unwrap()).sum();
+        let valid: u64 = ["training", "validation", "testing"]
+            .iter()
+            .map(|k| s["splits"][k]["valid"].as_u64().unwrap())
+            .sum();
+        let rows: u64 = ["training", "validation", "testing"]
+            .iter()
+            .map(|k| s["splits"][k]["rows"].as_u64().unwrap())
+            .sum();
         committed(s) == 4 && rows == 5 && valid == 3
     });
     let log = svc.terminate();
     std::fs::write(&stop, b"").unwrap();
     let r = reader.wait_with_output().unwrap();
-    assert!(r.status.success(), "SWMR reader failed:\n{}{}", String::from_utf8_lossy(&r.stdout), String::from_utf8_lossy(&r.stderr));
+    assert!(
+        r.status.success(),
+        "SWMR reader failed:\n{}{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
     assert!(log.contains("quarantined"), "{log}");
     compare_with_rebuild(&world);
 
     // Changes while stopped: a new file, a deletion, a modification. Restart reconciles.
-    std::fs::copy(fixtures().join("wav/tone_u8.wav"), rec.join("CRACK/while_down.wav")).unwrap();
+    std::fs::copy(
+        fixtures().join("wav/tone_u8.wav"),
+        rec.join("CRACK/while_down.wav"),
+    )
+    .unwrap();
     std::fs::remove_file(rec.join("NORMAL/dup.wav")).unwrap();
     std::fs::write(rec.join("LEAK/cp.wav"), fixture_bytes("leak_float32")).unwrap();
     let svc = Service::start(&world);
     svc.wait(&world, "reconciled", |s| {
-        let valid: u64 = ["training", "validation", "testing"].iter().map(|k| s["splits"][k]["valid"].as_u64().unwrap()).sum();
+        let valid: u64 = ["training", "validation", "testing"]
+            .iter()
+            .map(|k| s["splits"][k]["valid"].as_u64().unwrap())
+            .sum();
         committed(s) == 4 && valid == 4
     });
     svc.terminate();
@@ -241,7 +315,11 @@ fn second_writer_and_changed_settings_are_refused() {
     std::fs::write(&world.config, text).unwrap();
     let o = world.run(&["run"]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("rebuild"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("rebuild"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 #[test]
@@ -256,7 +334,11 @@ fn sigkill_at_random_instants_loses_and_duplicates_nothing() {
             let label = labels[i % 3];
             let samples = ailhd::synth::clip(label, 1000 + i as u64, 4096, 10.0);
             let bytes = ailhd::synth::wav_pcm16(&samples, 4096);
-            write_via_rename(&writer_rec, &format!("{label}/{}", ailhd::synth::file_name(i, 3)), &bytes);
+            write_via_rename(
+                &writer_rec,
+                &format!("{label}/{}", ailhd::synth::file_name(i, 3)),
+                &bytes,
+            );
             std::thread::sleep(Duration::from_millis(4));
         }
     });
@@ -268,7 +350,9 @@ fn sigkill_at_random_instants_loses_and_duplicates_nothing() {
     }
     writer.join().unwrap();
     let svc = Service::start(&world);
-    svc.wait(&world, "all files committed", |s| committed(s) == total as u64);
+    svc.wait(&world, "all files committed", |s| {
+        committed(s) == total as u64
+    });
     svc.terminate();
     compare_with_rebuild(&world);
 }

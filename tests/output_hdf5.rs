@@ -100,7 +100,7 @@ fn waveform_column_and_swmr_created_file_read_plainly_after_close() {
     );
 
     // Reopen, append, and the new rows follow the old ones.
-    let mut sink = Hdf5Sink::open_append(&path, &h, true).unwrap();
+    let mut sink = Hdf5Sink::open_append(&path, &h, true, None).unwrap();
     assert_eq!((sink.len(), sink.committed_rows()), (7, 7));
     assert_eq!(append(&mut sink, &h, 3), 7);
     sink.commit().unwrap();
@@ -131,7 +131,7 @@ fn label_attributes_grow_outside_swmr_and_refuse_to_inside() {
     let mut sink = Hdf5Sink::create(&path, &h, false).unwrap();
     sink.set_labels(&many(300)).unwrap(); // ~9 KB of JSON: recreated bigger
     drop(sink);
-    let mut sink = Hdf5Sink::open_append(&path, &h, true).unwrap();
+    let mut sink = Hdf5Sink::open_append(&path, &h, true, None).unwrap();
     assert_eq!(sink.labels().len(), 300);
     sink.set_labels(&many(400)).unwrap(); // in place, under SWMR
     let e = sink
@@ -181,7 +181,7 @@ fn readers_holding_the_file_do_not_block_the_writer() {
             .unwrap()
             .unwrap();
         assert_eq!(line, format!("holding {rows}"));
-        let mut sink = Hdf5Sink::open_append(&path, &h, true).unwrap();
+        let mut sink = Hdf5Sink::open_append(&path, &h, true, None).unwrap();
         append(&mut sink, &h, 3);
         sink.commit().unwrap();
         drop(sink);
@@ -211,7 +211,7 @@ fn refuses_to_append_with_other_settings() {
         },
         ..h.clone()
     };
-    let e = Hdf5Sink::open_append(&path, &other, false)
+    let e = Hdf5Sink::open_append(&path, &other, false, None)
         .err()
         .expect("refused");
     assert!(format!("{e:#}").contains("ailhd rebuild"), "{e:#}");
@@ -220,13 +220,13 @@ fn refuses_to_append_with_other_settings() {
         path_bytes: 512,
         ..h.clone()
     };
-    let e = Hdf5Sink::open_append(&path, &wider, true)
+    let e = Hdf5Sink::open_append(&path, &wider, true, None)
         .err()
         .expect("refused");
     assert!(format!("{e:#}").contains("rebuild"), "{e:#}");
 
     // Still fine with the original settings.
-    let sink = Hdf5Sink::open_append(&path, &h, false).unwrap();
+    let sink = Hdf5Sink::open_append(&path, &h, false, None).unwrap();
     assert_eq!(sink.committed_rows(), 2);
 }
 
@@ -319,7 +319,7 @@ fn kill_child_writer() {
     let path = Path::new(&path);
     let h = header(false);
     let mut sink = if path.exists() {
-        Hdf5Sink::open_append(path, &h, swmr).unwrap()
+        Hdf5Sink::open_append(path, &h, swmr, None).unwrap()
     } else {
         Hdf5Sink::create(path, &h, swmr).unwrap()
     };
@@ -428,7 +428,7 @@ fn reopen_after_sigkill(swmr: bool) {
             );
             assert!(before["swmr"]["committed"].as_u64().unwrap() >= reported);
         }
-        let mut sink = Hdf5Sink::open_append(&path, &h, swmr)
+        let mut sink = Hdf5Sink::open_append(&path, &h, swmr, None)
             .unwrap_or_else(|e| panic!("open_append after kill (round {round}): {e:#}"));
         let committed = sink.committed_rows();
         assert!(committed >= reported, "{committed} < {reported}");
@@ -511,4 +511,23 @@ fn append_throughput() {
             n * row_bytes as f64 / s / 1e6
         );
     }
+}
+
+/// The daemon's manifest can account for fewer rows than a file committed (killed between the
+/// two commits): `keep` cuts those rows off too, and the count on disk follows.
+#[test]
+fn open_append_reclaims_rows_past_keep() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("T.H5");
+    let h = header(false);
+    let mut sink = Hdf5Sink::create(&path, &h, true).unwrap();
+    append(&mut sink, &h, 5);
+    sink.commit().unwrap();
+    Box::new(sink).close().unwrap();
+    let sink = Hdf5Sink::open_append(&path, &h, true, Some(3)).unwrap();
+    assert_eq!(sink.committed_rows(), 3);
+    assert_eq!(sink.len(), 3);
+    Box::new(sink).close().unwrap();
+    let sink = Hdf5Sink::open_append(&path, &h, false, None).unwrap();
+    assert_eq!(sink.committed_rows(), 3);
 }

@@ -100,7 +100,7 @@ fn header_shape_is_the_committed_count() {
         128 + 10 * 2,
         "close drops uncommitted rows"
     );
-    let mut sink = NpySink::open_append(&dir, &h).unwrap();
+    let mut sink = NpySink::open_append(&dir, &h, None).unwrap();
     assert_eq!((sink.len(), sink.committed_rows()), (10, 10));
     append(&mut sink, &h, 3);
     sink.commit().unwrap();
@@ -133,15 +133,24 @@ fn refuses_other_settings_and_existing_outputs() {
         },
         ..h.clone()
     };
-    let e = NpySink::open_append(&dir, &other).err().expect("refused");
+    let e = NpySink::open_append(&dir, &other, None)
+        .err()
+        .expect("refused");
     assert!(format!("{e:#}").contains("ailhd rebuild"), "{e:#}");
     let wider = OutputHeader {
         path_bytes: 300,
         ..h.clone()
     };
-    let e = NpySink::open_append(&dir, &wider).err().expect("refused");
+    let e = NpySink::open_append(&dir, &wider, None)
+        .err()
+        .expect("refused");
     assert!(format!("{e:#}").contains("rebuild"), "{e:#}");
-    assert_eq!(NpySink::open_append(&dir, &h).unwrap().committed_rows(), 2);
+    assert_eq!(
+        NpySink::open_append(&dir, &h, None)
+            .unwrap()
+            .committed_rows(),
+        2
+    );
 }
 
 #[test]
@@ -203,7 +212,7 @@ fn npy_kill_child_writer() {
     let dir = Path::new(&dir);
     let h = header(false);
     let mut sink = if dir.exists() {
-        NpySink::open_append(dir, &h).unwrap()
+        NpySink::open_append(dir, &h, None).unwrap()
     } else {
         NpySink::create(dir, &h).unwrap()
     };
@@ -291,7 +300,7 @@ fn reopen_after_sigkill() {
             eprintln!("round {round}: killed before the output was created");
             continue;
         }
-        let mut sink = NpySink::open_append(&dir, &h)
+        let mut sink = NpySink::open_append(&dir, &h, None)
             .unwrap_or_else(|e| panic!("open_append after kill (round {round}): {e:#}"));
         let committed = sink.committed_rows();
         eprintln!(

@@ -41,7 +41,13 @@ fn build_tree(rec: &Path) -> (BTreeMap<String, (i16, String)>, BTreeMap<String, 
     (valid, invalid)
 }
 
-fn spec(world: &World, valid: &BTreeMap<String, (i16, String)>, setup: &str, shape: [usize; 4], features: &ailhd::config::FeatureSettings) -> std::path::PathBuf {
+fn spec(
+    world: &World,
+    valid: &BTreeMap<String, (i16, String)>,
+    setup: &str,
+    shape: [usize; 4],
+    features: &ailhd::config::FeatureSettings,
+) -> std::path::PathBuf {
     let cases = cases();
     let mut rows = serde_json::Map::new();
     for (rel, (label, case)) in valid {
@@ -106,10 +112,18 @@ fn rebuild_and_check(setup: &str, extra: &str, features: ailhd::config::FeatureS
         .as_array()
         .unwrap()
         .iter()
-        .map(|q| (q["path"].as_str().unwrap().to_string(), q["reason"].as_str().unwrap().to_string()))
+        .map(|q| {
+            (
+                q["path"].as_str().unwrap().to_string(),
+                q["reason"].as_str().unwrap().to_string(),
+            )
+        })
         .collect();
     for (rel, case) in &invalid {
-        let reason = q.get(rel).unwrap_or_else(|| panic!("{rel} ({case}) not quarantined: {q:?}")).to_lowercase();
+        let reason = q
+            .get(rel)
+            .unwrap_or_else(|| panic!("{rel} ({case}) not quarantined: {q:?}"))
+            .to_lowercase();
         assert!(
             reason_words(case).iter().any(|w| reason.contains(w)),
             "{rel}: reason {reason:?} does not say what is wrong"
@@ -119,7 +133,11 @@ fn rebuild_and_check(setup: &str, extra: &str, features: ailhd::config::FeatureS
     assert!(q["PUMP/tone_u8.wav"].contains("PUMP"), "{q:?}");
     assert_eq!(q.len(), invalid.len() + 2, "{q:?}");
     let committed = status["files"]["committed"].as_u64().unwrap();
-    assert_eq!(committed as usize, valid.len() + 1, "valid files plus the duplicate");
+    assert_eq!(
+        committed as usize,
+        valid.len() + 1,
+        "valid files plus the duplicate"
+    );
     let rows: u64 = ["training", "validation", "testing"]
         .iter()
         .map(|s| status["splits"][s]["rows"].as_u64().unwrap())
@@ -134,6 +152,13 @@ fn default_setup_matches_references_and_quarantines_invalid_files() {
 
 #[test]
 fn overlap32_setup_matches_references() {
-    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("config/overlap32.toml")).unwrap();
-    rebuild_and_check("overlap32", &text, ailhd::config::FeatureSettings::overlap32());
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("config/overlap32.toml"),
+    )
+    .unwrap();
+    rebuild_and_check(
+        "overlap32",
+        &text,
+        ailhd::config::FeatureSettings::overlap32(),
+    );
 }

@@ -192,7 +192,16 @@ impl Hdf5Sink {
     /// reopened with the status flags cleared, as `h5clear -s` does. That flag is HDF5's only
     /// guard against two writers; with file locking disabled, the caller's writer lock is what
     /// makes overriding it safe.
-    pub fn open_append(path: &Path, header: &OutputHeader, swmr: bool) -> Result<Self> {
+    ///
+    /// `keep`: the rows the caller's own records account for (the daemon's manifest); rows past
+    /// it are reclaimed as well, even if they were committed here (a batch committed to the
+    /// outputs but not yet to the manifest when the writer died).
+    pub fn open_append(
+        path: &Path,
+        header: &OutputHeader,
+        swmr: bool,
+        keep: Option<u64>,
+    ) -> Result<Self> {
         if !path.exists() {
             bail!("{}: no such file", path.display());
         }
@@ -316,6 +325,16 @@ impl Hdf5Sink {
         // Rows past committed_rows are the partial batch of a crashed writer: drop them so
         // that every dataset again has exactly committed_rows rows.
         sink.resize_all(committed)?;
+        if let Some(k) = keep.filter(|&k| k < committed) {
+            log::info!(
+                "{}: reclaiming rows {k}..{committed}, never recorded in the manifest",
+                path.display()
+            );
+            sink.resize_all(k)?;
+            sink.len = k;
+            sink.dirty = true;
+            sink.commit()?;
+        }
         sink.ensure_label_room()?;
         sink.flush_and_sync()?;
         if swmr {
@@ -527,6 +546,10 @@ impl SplitSink for Hdf5Sink {
 
     fn set_label(&mut self, row: u64, label: i16) -> Result<()> {
         self.write_cell("labels", row, &label.to_le_bytes())
+    }
+
+    fn set_labels(&mut self, labels: &[String]) -> Result<()> {
+        Hdf5Sink::set_labels(self, labels)
     }
 
     fn commit(&mut self) -> Result<()> {

@@ -90,6 +90,8 @@ pub trait SplitSink: Send {
     fn set_valid(&mut self, row: u64, valid: bool) -> anyhow::Result<()>;
     /// Relabel a row in place (a file moved between label folders).
     fn set_label(&mut self, row: u64, label: i16) -> anyhow::Result<()>;
+    /// Replace the label list attributes; `labels` extends the current list (ids never change).
+    fn set_labels(&mut self, labels: &[String]) -> anyhow::Result<()>;
     /// Make every appended row durable and visible: flush data, then `committed_rows`.
     fn commit(&mut self) -> anyhow::Result<()>;
     /// Close cleanly (after this, plain readers see exactly `committed_rows` rows).

@@ -104,14 +104,16 @@ impl NpySink {
         std::fs::rename(&partial, dir)
             .with_context(|| format!("renaming {} into place", partial.display()))?;
         sync_dir(dir.parent().unwrap_or(Path::new(".")))?;
-        Self::open_append(dir, header)
+        Self::open_append(dir, header, None)
     }
 
     /// Reopen `dir` for appending: check `schema_version` and `feature_fingerprint` against
     /// `header` (an error that says to run `ailhd rebuild` if they differ) and each column's
     /// header against the layout, then cut every column back to the committed rows (the
     /// smallest header shape; rows past it are a crashed writer's partial batch).
-    pub fn open_append(dir: &Path, header: &OutputHeader) -> Result<Self> {
+    ///
+    /// `keep`: as for [`super::hdf5::Hdf5Sink::open_append`], rows past it are reclaimed too.
+    pub fn open_append(dir: &Path, header: &OutputHeader, keep: Option<u64>) -> Result<Self> {
         let attrs_path = dir.join(ATTRIBUTES);
         let text = std::fs::read_to_string(&attrs_path)
             .with_context(|| format!("reading {}", attrs_path.display()))?;
@@ -173,7 +175,8 @@ impl NpySink {
                 edit_map: None,
             });
         }
-        let committed = shapes.iter().copied().min().unwrap_or(0);
+        let on_disk = shapes.iter().copied().min().unwrap_or(0);
+        let committed = keep.map_or(on_disk, |k| k.min(on_disk));
         let mut sink = NpySink {
             dir: dir.to_path_buf(),
             header: header.clone(),
@@ -354,6 +357,10 @@ impl SplitSink for NpySink {
 
     fn set_label(&mut self, row: u64, label: i16) -> Result<()> {
         self.write_cell("labels", row, &label.to_le_bytes())
+    }
+
+    fn set_labels(&mut self, labels: &[String]) -> Result<()> {
+        NpySink::set_labels(self, labels)
     }
 
     fn commit(&mut self) -> Result<()> {

@@ -16,20 +16,37 @@ pub struct OutputSet {
 
 impl OutputSet {
     /// New, empty outputs under `dir` (which must not hold them yet).
-    pub fn create(dir: &Path, outputs: &Outputs, header: &OutputHeader, swmr: bool) -> anyhow::Result<Self> {
+    pub fn create(
+        dir: &Path,
+        outputs: &Outputs,
+        header: &OutputHeader,
+        swmr: bool,
+    ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-        Self::build(dir, outputs, |kind, path| match kind {
+        Self::build(dir, outputs, |kind, _, path| match kind {
             Kind::Hdf5 => Ok(Box::new(Hdf5Sink::create(path, header, swmr)?) as Box<dyn SplitSink>),
             Kind::Npy => Ok(Box::new(NpySink::create(path, header)?) as Box<dyn SplitSink>),
         })
     }
 
     /// Existing outputs, reopened for appending: refuses outputs made with other feature
-    /// settings, and reclaims rows past `committed_rows` left by a crash.
-    pub fn open_append(dir: &Path, outputs: &Outputs, header: &OutputHeader, swmr: bool) -> anyhow::Result<Self> {
-        let set = Self::build(dir, outputs, |kind, path| match kind {
-            Kind::Hdf5 => Ok(Box::new(Hdf5Sink::open_append(path, header, swmr)?) as Box<dyn SplitSink>),
-            Kind::Npy => Ok(Box::new(NpySink::open_append(path, header)?) as Box<dyn SplitSink>),
+    /// settings, and reclaims rows past `committed_rows` left by a crash, and past `keep[split]`
+    /// (what the manifest accounts for) when given.
+    pub fn open_append(
+        dir: &Path,
+        outputs: &Outputs,
+        header: &OutputHeader,
+        swmr: bool,
+        keep: Option<[u64; 3]>,
+    ) -> anyhow::Result<Self> {
+        let set = Self::build(dir, outputs, |kind, split, path| {
+            let k = keep.map(|k| k[split]);
+            Ok(match kind {
+                Kind::Hdf5 => {
+                    Box::new(Hdf5Sink::open_append(path, header, swmr, k)?) as Box<dyn SplitSink>
+                }
+                Kind::Npy => Box::new(NpySink::open_append(path, header, k)?) as Box<dyn SplitSink>,
+            })
         })?;
         for (split, sinks) in set.splits.iter().enumerate() {
             let rows: Vec<u64> = sinks.iter().map(|s| s.committed_rows()).collect();
@@ -53,16 +70,20 @@ impl OutputSet {
     fn build(
         dir: &Path,
         outputs: &Outputs,
-        mut open: impl FnMut(Kind, &Path) -> anyhow::Result<Box<dyn SplitSink>>,
+        mut open: impl FnMut(Kind, usize, &Path) -> anyhow::Result<Box<dyn SplitSink>>,
     ) -> anyhow::Result<Self> {
         let mut splits = Vec::with_capacity(3);
         for split in 0..3 {
             let mut sinks = Vec::new();
             if outputs.hdf5 {
-                sinks.push(open(Kind::Hdf5, &hdf5_path(dir, &outputs.hdf5_names, split))?);
+                sinks.push(open(
+                    Kind::Hdf5,
+                    split,
+                    &hdf5_path(dir, &outputs.hdf5_names, split),
+                )?);
             }
             if outputs.npy {
-                sinks.push(open(Kind::Npy, &npy_dir(dir, split))?);
+                sinks.push(open(Kind::Npy, split, &npy_dir(dir, split))?);
             }
             splits.push(sinks);
         }
@@ -88,23 +109,42 @@ impl OutputSet {
         let mut first = None;
         for sink in &mut self.splits[split] {
             let at = sink.append(mel, waveform, meta)?;
-            ensure!(first.is_none_or(|f| f == at), "outputs of split {} out of step", SPLITS[split]);
+            ensure!(
+                first.is_none_or(|f| f == at),
+                "outputs of split {} out of step",
+                SPLITS[split]
+            );
             first = Some(at);
         }
         Ok(first.unwrap_or(0))
     }
 
+    /// The label list grew (`labels.unknown = "append"`): rewrite the label attributes.
+    pub fn set_labels(&mut self, labels: &[String]) -> anyhow::Result<()> {
+        for sink in self.splits.iter_mut().flatten() {
+            sink.set_labels(labels)?;
+        }
+        Ok(())
+    }
+
     pub fn set_valid(&mut self, split: usize, row: u64, valid: bool) -> anyhow::Result<()> {
-        self.splits[split].iter_mut().try_for_each(|s| s.set_valid(row, valid))
+        self.splits[split]
+            .iter_mut()
+            .try_for_each(|s| s.set_valid(row, valid))
     }
 
     pub fn set_label(&mut self, split: usize, row: u64, label: i16) -> anyhow::Result<()> {
-        self.splits[split].iter_mut().try_for_each(|s| s.set_label(row, label))
+        self.splits[split]
+            .iter_mut()
+            .try_for_each(|s| s.set_label(row, label))
     }
 
     /// Make every appended row of every split durable and visible.
     pub fn commit(&mut self) -> anyhow::Result<()> {
-        self.splits.iter_mut().flatten().try_for_each(|s| s.commit())
+        self.splits
+            .iter_mut()
+            .flatten()
+            .try_for_each(|s| s.commit())
     }
 
     pub fn close(self) -> anyhow::Result<()> {

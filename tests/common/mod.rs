@@ -20,7 +20,9 @@ pub fn shared() -> PathBuf {
         .into_iter()
         .flatten()
         .find(|p| p.join("fixtures/features/cases.json").exists())
-        .expect("shared fixtures not found: set AILHD_SHARED to the folder holding fixtures/features")
+        .expect(
+            "shared fixtures not found: set AILHD_SHARED to the folder holding fixtures/features",
+        )
 }
 
 pub fn fixtures() -> PathBuf {
@@ -72,7 +74,11 @@ impl World {
     }
     pub fn status_json(&self) -> serde_json::Value {
         let o = self.run(&["status", "--json"]);
-        assert!(o.status.success(), "status failed: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success(),
+            "status failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         serde_json::from_slice(&o.stdout).unwrap()
     }
 }
@@ -84,7 +90,9 @@ pub fn copy_fixture(name: &str, to: &Path) {
 
 /// Run a Python checker from tests/py with arguments; panics with its output on failure.
 pub fn python(script: &str, args: &[&str]) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py").join(script);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/py")
+        .join(script);
     let out = Command::new("python3")
         .arg(&path)
         .args(args)
