@@ -7,7 +7,9 @@
 //! - [`decode`]: WAV bytes -> mono waveform at the configured rate;
 //! - [`features`]: waveforms -> float16 dB mel rows ([`features::cpu`], [`features::cuda`]);
 //! - [`output`]: rows -> per-split HDF5 files and npy memmaps;
+//! - [`doctor`]: what this host offers (CPU features, CUDA) and a CPU/GPU parity self-test.
 pub mod config;
 pub mod decode;
+pub mod doctor;
 pub mod features;
 pub mod output;
