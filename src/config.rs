@@ -705,3 +705,23 @@ mod tests {
         assert_eq!(a.fingerprint(), FeatureSettings::default().fingerprint());
     }
 }
+
+#[cfg(test)]
+mod shipped_files {
+    use super::*;
+
+    fn shipped(name: &str) -> String {
+        std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config").join(name)).unwrap()
+    }
+
+    #[test]
+    fn documented_defaults_are_the_defaults() {
+        assert_eq!(Settings::from_toml_str(&shipped("ailhd.toml")).unwrap(), Settings::default());
+    }
+
+    #[test]
+    fn overlap32_file_is_the_overlap32_setup() {
+        let s = Settings::from_toml_str(&shipped("overlap32.toml")).unwrap();
+        assert_eq!(s.features, FeatureSettings::overlap32());
+    }
+}

@@ -4,6 +4,7 @@
 
 pub mod hdf5;
 pub mod npy;
+pub mod set;
 
 use crate::config::{FeatureSettings, FeatureShape};
 use half::f16;
