@@ -43,6 +43,7 @@ struct Geometry {
     int row_len;          // num_long * num_short * n_mels * t_frames
     float power;          // |X|^power
     float db_multiplier;  // 10 when power == 2, else 20
+    float db_floor;       // AmplitudeToDB's amin (1e-10): max(x, db_floor) before the logarithm
     float top_db;         // used when use_top_db != 0
     int use_top_db;       // amplitude_to_db with top_db set: clamp at (row max) - top_db
 };
@@ -124,8 +125,8 @@ extern "C" __global__ void power_mel_db(const Geometry g, const float* __restric
             }
             acc += mel_weights[k] * p;
         }
-        // torchaudio's amin: max(x, 1e-10) before the logarithm.
-        const float db = g.db_multiplier * log10f(fmaxf(acc, 1e-10f));
+        // A select, not fmaxf, so that NaN (from a NaN sample) stays NaN as on the CPU.
+        const float db = g.db_multiplier * log10f(acc < g.db_floor ? g.db_floor : acc);
         const u64 t = frame % (u64)g.t_frames;
         const u64 window_idx = frame / (u64)g.t_frames;  // file * num_long * num_short + l * num_short + s
         mel_db[(window_idx * (u64)g.n_mels + mel) * (u64)g.t_frames + t] = db;
@@ -134,8 +135,8 @@ extern "C" __global__ void power_mel_db(const Geometry g, const float* __restric
 
 // Kernel 3: one block per recording (grid-stride over recordings). With use_top_db, clamp from
 // below at the recording's maximum - top_db (per recording, never per batch: a row must not depend
-// on its batch). Then store float16. The maximum is exact whatever the reduction order, so rows
-// are deterministic.
+// on its batch). Then store float16. The maximum (fmaxf skips NaN, like the CPU's f32::max) is
+// exact whatever the reduction order, so rows are deterministic.
 extern "C" __global__ void finalize_rows(const Geometry g, const float* __restrict__ mel_db,
                                          unsigned short* __restrict__ rows, int n_files) {
     __shared__ float partial[FINALIZE_THREADS];
@@ -161,7 +162,8 @@ extern "C" __global__ void finalize_rows(const Geometry g, const float* __restri
             __syncthreads();
         }
         for (int j = threadIdx.x; j < g.row_len; j += FINALIZE_THREADS) {
-            out[j] = f32_to_f16_rn(fmaxf(row[j], floor_db));
+            const float v = row[j];
+            out[j] = f32_to_f16_rn(v < floor_db ? floor_db : v);  // NaN stays NaN
         }
     }
 }

@@ -6,6 +6,7 @@ use crate::config::FeatureSettings;
 use crate::decode::Waveform;
 use crate::features::cpu::CpuFeaturiser;
 use crate::features::cuda::{self, parity, CudaFeaturiser, CudaProbe};
+use crate::features::mel::Accuracy;
 use crate::features::Featuriser;
 use anyhow::Context;
 use half::f16;
@@ -46,13 +47,37 @@ pub struct ParityResult {
     /// The GPU featuriser's name ("cuda:<gpu>"), when it started.
     pub device: Option<String>,
     pub recordings: usize,
-    /// GPU rows against CPU rows, all recordings together.
-    pub agreement: Option<parity::Agreement>,
+    /// GPU rows against CPU rows, all recordings together (`parity::between_rows`).
+    pub agreement: Option<Agreement>,
     /// A batch larger than one GPU chunk gave the same row bytes as the small batch
     /// (the contract: a row never depends on its batch).
     pub batch_independent: Option<bool>,
     /// Why it was skipped or failed.
     pub reason: Option<String>,
+}
+
+/// How far the GPU's rows are from the CPU's (a `mel::Accuracy`, in a form JSON can carry).
+#[derive(Debug, Serialize)]
+pub struct Agreement {
+    /// Values compared under the strict part of the rule (within 100 dB of the row maximum).
+    pub checked: usize,
+    pub max_ulps: f64,
+    pub max_abs_db: f64,
+    pub violations: usize,
+    /// "max ... float16 ulps (... dB) over ... values[, ... outside the rule (first: ...)]".
+    pub summary: String,
+}
+
+impl From<&Accuracy> for Agreement {
+    fn from(a: &Accuracy) -> Self {
+        Agreement {
+            checked: a.checked,
+            max_ulps: a.max_ulps,
+            max_abs_db: a.max_abs_db,
+            violations: a.violations,
+            summary: parity::summary(a),
+        }
+    }
 }
 
 /// Print the report (human-readable, or one JSON object with `json`). Errors only when a GPU is
@@ -143,7 +168,7 @@ fn parity_for(setup: &str, settings: &FeatureSettings, no_gpu: Option<&str>) -> 
     }
     match compare(settings, &recordings, &mut result) {
         Ok(()) => {
-            let agreed = result.agreement.as_ref().is_some_and(|a| a.ok());
+            let agreed = result.agreement.as_ref().is_some_and(|a| a.violations == 0);
             let independent = result.batch_independent.unwrap_or(false);
             result.status = if agreed && independent {
                 ParityStatus::Passed
@@ -180,15 +205,13 @@ fn compare(
     )
     .and_then(|mut cpu| cpu.featurise(&batch, &mut cpu_rows))
     .context("CPU featuriser")?;
-    let mut agreement = parity::Agreement::default();
+    let mut agreement = Accuracy::default();
     for i in 0..batch.len() {
         let span = i * row_len..(i + 1) * row_len;
-        agreement.merge(&parity::between_rows(
-            &cpu_rows[span.clone()],
-            &gpu_rows[span],
-        ));
+        let one = parity::between_rows(&cpu_rows[span.clone()], &gpu_rows[span]);
+        parity::merge(&mut agreement, &one);
     }
-    result.agreement = Some(agreement);
+    result.agreement = Some(Agreement::from(&agreement));
 
     // More than two chunks, so both staging slots are reused and the pipeline runs in full.
     let big: Vec<&Waveform> = batch
@@ -301,7 +324,7 @@ fn render(report: &DoctorReport) -> String {
         };
         let mut detail = Vec::new();
         if let Some(a) = &p.agreement {
-            detail.push(a.summary());
+            detail.push(a.summary.clone());
         }
         if p.batch_independent == Some(true) {
             detail.push("same rows at any batch size".into());
