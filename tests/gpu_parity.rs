@@ -311,30 +311,58 @@ int main(int argc, char** argv) {
 }
 "#;
 
-/// Build the harness; None (with the reason printed) when there is no C++20 compiler.
+/// What the harness needs from the host compiler: C++20's std::barrier and _Float16 (GCC 12+,
+/// Clang 15+).
+const COMPILER_PROBE: &str = r#"
+#include <barrier>
+int main() { std::barrier<> b(1); b.arrive_and_wait(); _Float16 h = (_Float16)1.0f; return (int)h - 1; }
+"#;
+
+fn gxx(args: &[&std::ffi::OsStr]) -> std::io::Result<std::process::Output> {
+    Command::new("g++")
+        .args(["-std=c++20", "-O2", "-pthread"])
+        .args(args)
+        .output()
+}
+
+/// Build the harness; None (with the reason printed) when the host has no suitable C++
+/// compiler. Once the compiler is known to be suitable, the kernel source must compile.
 fn build_harness(dir: &Path) -> Option<PathBuf> {
+    let probe = dir.join("probe.cpp");
+    std::fs::write(&probe, COMPILER_PROBE).unwrap();
+    let probe_exe = dir.join("probe");
+    match gxx(&[probe.as_os_str(), "-o".as_ref(), probe_exe.as_os_str()]) {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => {
+            println!(
+                "skipping: g++ lacks C++20 <barrier> or _Float16:\n{}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+            return None;
+        }
+        Err(e) => {
+            println!("skipping: no g++ to compile the kernel source on the host ({e})");
+            return None;
+        }
+    }
     let src = dir.join("harness.cpp");
     std::fs::write(&src, HARNESS).unwrap();
     let exe = dir.join("harness");
     let kernels = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
-    let output = Command::new("g++")
-        .args(["-std=c++20", "-O2", "-pthread", "-I"])
-        .arg(&kernels)
-        .arg(&src)
-        .arg("-o")
-        .arg(&exe)
-        .output();
-    match output {
-        Ok(o) if o.status.success() => Some(exe),
-        Ok(o) => panic!(
-            "kernels/features.cu does not compile on the host:\n{}",
-            String::from_utf8_lossy(&o.stderr)
-        ),
-        Err(e) => {
-            println!("skipping: no g++ to compile the kernel source on the host ({e})");
-            None
-        }
-    }
+    let o = gxx(&[
+        "-I".as_ref(),
+        kernels.as_os_str(),
+        src.as_os_str(),
+        "-o".as_ref(),
+        exe.as_os_str(),
+    ])
+    .unwrap();
+    assert!(
+        o.status.success(),
+        "kernels/features.cu does not compile on the host:\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Some(exe)
 }
 
 /// Run the kernels on the host for `waveforms` (all int16 on the int16 path, or all on the float

@@ -1075,8 +1075,10 @@ impl CudaFeaturiser {
         let Some(&(first_start, first_end)) = chunks.first() else {
             return Ok(());
         };
-        // Pipeline: stage k+1 (host copy + async upload) while chunk k computes; queue the
-        // download of k after the upload of k+1 so the copy engines never wait on the kernels.
+        // Pipeline: the host stages chunk k+1 (copy into pinned memory, async upload) while the
+        // GPU computes chunk k, and collects chunk k-1 meanwhile. Uploads and downloads have
+        // their own streams, so the upload of k+1 never queues behind the download of k (which
+        // waits for k's kernels).
         self.stage(0, &batch[first_start..first_end])?;
         for (k, &(start, end)) in chunks.iter().enumerate() {
             self.compute_and_download(k % 2)?;
