@@ -64,11 +64,6 @@ fn rss_mb(pid: u32) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-fn pct(v: &mut [f64], q: f64) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() - 1) as f64 * q).round() as usize]
-}
-
 fn clip(i: usize, seed: u64) -> Vec<u8> {
     let labels = ["LEAK", "NORMAL", "CRACK", "BACKGROUND"];
     ailhd::synth::wav_pcm16(

@@ -502,8 +502,14 @@ impl Settings {
             builder = builder
                 .add_source(config::File::from(path.as_path()).format(config::FileFormat::Toml));
         }
+        // Only AILHD_<SECTION>__<KEY> variables are settings: AILHD_CONFIG names the file, and
+        // other AILHD_* variables (a test harness's, say) are not keys.
+        let overrides: config::Map<String, String> = std::env::vars()
+            .filter(|(k, _)| k.starts_with("AILHD_") && k["AILHD_".len()..].contains("__"))
+            .collect();
         builder = builder.add_source(
             config::Environment::with_prefix("AILHD")
+                .source(Some(overrides))
                 .prefix_separator("_")
                 .separator("__")
                 .list_separator(",")
