@@ -20,7 +20,6 @@ use crate::pipeline::{self, StageTimes};
 use crate::rebuild;
 use crate::staging;
 use anyhow::{bail, Context};
-use half::f16;
 use rayon::prelude::*;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -332,7 +331,6 @@ impl Ingestor {
         }
 
         // Featurise and append the new bytes, split by split.
-        let row_len = shape.row_len();
         for (split, rows) in fresh.iter().enumerate() {
             if rows.is_empty() {
                 continue;
@@ -342,21 +340,11 @@ impl Ingestor {
                 .map(|(_, _, i)| prepared[*i].decoded.as_ref().expect("decoded"))
                 .collect();
             let t = Instant::now();
-            let mut mel = vec![f16::ZERO; rows.len() * row_len];
-            self.featuriser.featurise(&waves, &mut mel)?;
-            let waveform = self.settings.features.store_waveform.then(|| {
-                let wl = shape.waveform_len();
-                let mut w = vec![0f32; rows.len() * wl];
-                for (i, wave) in waves.iter().enumerate() {
-                    pipeline::segment_waveform(
-                        wave,
-                        &self.settings.features,
-                        &shape,
-                        &mut w[i * wl..(i + 1) * wl],
-                    );
-                }
-                w
-            });
+            let (mel, waveform) = pipeline::featurise_rows(
+                self.featuriser.as_mut(),
+                &waves,
+                &self.settings.features,
+            )?;
             StageTimes::add(&self.times.featurise, t);
             let metas: Vec<RowMeta> = rows.iter().map(|(_, m, _)| m.clone()).collect();
             let t = Instant::now();

@@ -353,31 +353,14 @@ fn prepare_chunk(
         waves[placement.split].push(waveform);
     }
 
-    let row_len = shape.row_len();
     let t = Instant::now();
-    for split in 0..3 {
-        let batch = &waves[split];
+    for (split, batch) in waves.iter().enumerate() {
         if batch.is_empty() {
             continue;
         }
-        let mut mel = vec![f16::ZERO; batch.len() * row_len];
-        featuriser
-            .featurise(batch, &mut mel)
-            .with_context(|| format!("featurising on {}", featuriser.name()))?;
+        let (mel, waveform) = pipeline::featurise_rows(featuriser, batch, &settings.features)?;
         chunk.mel[split] = mel;
-        if settings.features.store_waveform {
-            let wl = shape.waveform_len();
-            let mut w = vec![0f32; batch.len() * wl];
-            for (i, wave) in batch.iter().enumerate() {
-                pipeline::segment_waveform(
-                    wave,
-                    &settings.features,
-                    &shape,
-                    &mut w[i * wl..(i + 1) * wl],
-                );
-            }
-            chunk.waveform[split] = w;
-        }
+        chunk.waveform[split] = waveform.unwrap_or_default();
     }
     StageTimes::add(&times.featurise, t);
     Ok(chunk)
