@@ -25,7 +25,7 @@ fn invalid(key: &str, message: impl Into<String>) -> ConfigError {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Settings {
     pub paths: Paths,
@@ -34,19 +34,6 @@ pub struct Settings {
     pub features: FeatureSettings,
     pub outputs: Outputs,
     pub ingest: Ingest,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
-            paths: Paths::default(),
-            labels: Labels::default(),
-            splits: Splits::default(),
-            features: FeatureSettings::default(),
-            outputs: Outputs::default(),
-            ingest: Ingest::default(),
-        }
-    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -515,8 +502,14 @@ impl Settings {
             builder = builder
                 .add_source(config::File::from(path.as_path()).format(config::FileFormat::Toml));
         }
+        // Only AILHD_<SECTION>__<KEY> variables are settings: AILHD_CONFIG names the file, and
+        // other AILHD_* variables (a test harness's, say) are not keys.
+        let overrides: config::Map<String, String> = std::env::vars()
+            .filter(|(k, _)| k.starts_with("AILHD_") && k["AILHD_".len()..].contains("__"))
+            .collect();
         builder = builder.add_source(
             config::Environment::with_prefix("AILHD")
+                .source(Some(overrides))
                 .prefix_separator("_")
                 .separator("__")
                 .list_separator(",")
@@ -703,5 +696,33 @@ mod tests {
         b.n_mels = 32;
         assert_ne!(a.fingerprint(), b.fingerprint());
         assert_eq!(a.fingerprint(), FeatureSettings::default().fingerprint());
+    }
+}
+
+#[cfg(test)]
+mod shipped_files {
+    use super::*;
+
+    fn shipped(name: &str) -> String {
+        std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("config")
+                .join(name),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn documented_defaults_are_the_defaults() {
+        assert_eq!(
+            Settings::from_toml_str(&shipped("ailhd.toml")).unwrap(),
+            Settings::default()
+        );
+    }
+
+    #[test]
+    fn overlap32_file_is_the_overlap32_setup() {
+        let s = Settings::from_toml_str(&shipped("overlap32.toml")).unwrap();
+        assert_eq!(s.features, FeatureSettings::overlap32());
     }
 }

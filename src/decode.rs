@@ -1,6 +1,14 @@
 //! Decode: WAV bytes -> mono waveform at `sample_rate`, padded or trimmed to `num_samples`
 //! (CONTRACT.md, "Features", first paragraph). Every malformed input is a [`DecodeError`] that
 //! says what is wrong; nothing here panics or allocates more than the input justifies.
+//!
+//! Supported: PCM 8 (unsigned), 16, 24 and 32-bit, IEEE float 32 and 64-bit, plain or as
+//! WAVE_FORMAT_EXTENSIBLE, 1 to [`MAX_CHANNELS`] channels, [`MIN_SAMPLE_RATE`] to
+//! [`MAX_SAMPLE_RATE`] Hz. Not supported: A-law, mu-law, ADPCM and other compressed encodings,
+//! big-endian RIFX and 64-bit RF64 containers. The fmt chunk's byte rate is not checked
+//! (writers often get it wrong and nothing here needs it).
+
+use rubato::Resampler as _;
 
 /// A decoded recording, ready to featurise: mono, at the configured sample rate, exactly
 /// `num_samples` long. 16-bit mono PCM at the target rate stays integer (the GPU path uploads
@@ -40,6 +48,1199 @@ impl Waveform {
                 }
             }
             Waveform::Float(v) => dst.copy_from_slice(&v[start..start + dst.len()]),
+        }
+    }
+}
+
+/// More channels than this is a corrupt header, not a hydrophone.
+pub const MAX_CHANNELS: u16 = 64;
+/// Sample rates outside this range are corrupt headers; inside it the resampler's cost and
+/// memory stay bounded: its FFT sizes grow with `rate / gcd(rate, sample_rate)`, at worst
+/// (383 993 Hz, coprime with 4096) about 60 MB and 0.3 s per recording.
+pub const MIN_SAMPLE_RATE: u32 = 100;
+pub const MAX_SAMPLE_RATE: u32 = 384_000;
+
+const WAVE_FORMAT_PCM: u16 = 1;
+const WAVE_FORMAT_IEEE_FLOAT: u16 = 3;
+const WAVE_FORMAT_EXTENSIBLE: u16 = 0xFFFE;
+/// Bytes 2..16 of every standard KSDATAFORMAT_SUBTYPE GUID; bytes 0..2 are the format tag.
+const SUBFORMAT_GUID_TAIL: [u8; 14] = [
+    0x00, 0x00, 0x00, 0x00, 0x10, 0x00, 0x80, 0x00, 0x00, 0xAA, 0x00, 0x38, 0x9B, 0x71,
+];
+
+/// A RIFF chunk id as it appears in the file; shown trimmed and escaped in messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkId(pub [u8; 4]);
+
+impl std::fmt::Display for ChunkId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let trimmed = self.0.trim_ascii_end();
+        for &b in if trimmed.is_empty() {
+            &self.0[..]
+        } else {
+            trimmed
+        } {
+            if b.is_ascii_graphic() || b == b' ' {
+                write!(f, "{}", b as char)?;
+            } else {
+                write!(f, "\\x{b:02x}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why a recording cannot be decoded. The message is meant for an operator reading a quarantine
+/// reason; [`DecodeError::is_incomplete`] tells a caller whether waiting might help.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("empty file (0 bytes)")]
+    Empty,
+    #[error("not a WAV file (no RIFF/WAVE header)")]
+    NotWav,
+    #[error("unsupported container: {0}; only little-endian RIFF/WAVE is supported")]
+    UnsupportedContainer(&'static str),
+    #[error("recording in progress: RIFF/data sizes are placeholders (0 or 0xFFFFFFFF)")]
+    PlaceholderSizes,
+    #[error(
+        "recording in progress: the header declares {declared} data bytes and the RIFF ends \
+         there, but {present} bytes follow the data chunk header; the recorder has not \
+         finalised the header"
+    )]
+    StaleHeader { declared: u32, present: usize },
+    #[error("truncated: {chunk} chunk declares {declared} bytes but only {present} are present")]
+    Truncated {
+        chunk: ChunkId,
+        declared: u64,
+        present: usize,
+    },
+    #[error("truncated: the file ends at byte {file_len}, inside the header of a chunk")]
+    TruncatedChunkHeader { file_len: usize },
+    #[error("chunk `{chunk}` claims {size} bytes, more than the file ({file_len} bytes)")]
+    ChunkTooLarge {
+        chunk: ChunkId,
+        size: u32,
+        file_len: usize,
+    },
+    #[error("no fmt chunk before the data chunk")]
+    NoFmt,
+    #[error("fmt chunk is {size} bytes; this encoding needs at least {needed}")]
+    FmtTooShort { size: u32, needed: u32 },
+    #[error("fmt declares 0 channels")]
+    ZeroChannels,
+    #[error("fmt declares {0} channels; at most {MAX_CHANNELS} are supported")]
+    TooManyChannels(u16),
+    #[error("fmt declares a sample rate of 0 Hz")]
+    ZeroSampleRate,
+    #[error(
+        "fmt declares a sample rate of {0} Hz; supported rates are {MIN_SAMPLE_RATE} to \
+         {MAX_SAMPLE_RATE} Hz"
+    )]
+    SampleRateOutOfRange(u32),
+    #[error(
+        "unsupported encoding: {} (format tag {tag}); only PCM 8/16/24/32-bit and IEEE float \
+         32/64-bit are supported",
+        encoding_name(*tag, *bits)
+    )]
+    UnsupportedEncoding { tag: u16, bits: u16 },
+    #[error(
+        "unsupported encoding: WAVE_FORMAT_EXTENSIBLE with a non-standard sub-format GUID \
+         starting {:02x}{:02x}; only PCM and IEEE float are supported",
+        .0[0], .0[1]
+    )]
+    UnknownSubformat([u8; 16]),
+    #[error(
+        "fmt declares block_align {block_align}, but {channels} channels of {bits} bits need \
+         {expected}"
+    )]
+    BlockAlign {
+        block_align: u16,
+        channels: u16,
+        bits: u16,
+        expected: u32,
+    },
+    #[error("no data chunk")]
+    NoData,
+    #[error("no audio frames: the data chunk is empty")]
+    NoFrames,
+    #[error("data chunk is {data_len} bytes, not a whole number of {block_align}-byte frames")]
+    PartialFrame { data_len: u32, block_align: u16 },
+    #[error("float sample at frame {frame} is not a finite number (NaN or infinity)")]
+    NonFinite { frame: usize },
+    #[error("cannot resample from {from} Hz to {to} Hz: {reason}")]
+    Resample { from: u32, to: u32, reason: String },
+}
+
+impl DecodeError {
+    /// True when the file may simply not be fully written yet (placeholder sizes, a header that
+    /// lags the data, fewer bytes than declared): a watcher should wait for it to settle before
+    /// quarantining it with this reason.
+    pub fn is_incomplete(&self) -> bool {
+        matches!(
+            self,
+            DecodeError::PlaceholderSizes
+                | DecodeError::StaleHeader { .. }
+                | DecodeError::Truncated { .. }
+                | DecodeError::TruncatedChunkHeader { .. }
+        )
+    }
+}
+
+fn encoding_name(tag: u16, bits: u16) -> String {
+    match tag {
+        WAVE_FORMAT_PCM => format!("{bits}-bit PCM"),
+        WAVE_FORMAT_IEEE_FLOAT => format!("{bits}-bit IEEE float"),
+        0x0002 => "Microsoft ADPCM".into(),
+        0x0006 => "A-law".into(),
+        0x0007 => "mu-law".into(),
+        0x0011 => "IMA ADPCM".into(),
+        0x0031 => "GSM 6.10".into(),
+        0x0050 => "MPEG".into(),
+        0x0055 => "MPEG layer 3".into(),
+        0x1610 => "AAC".into(),
+        0xF1AC => "FLAC".into(),
+        _ => "unknown encoding".into(),
+    }
+}
+
+/// How the samples in the data chunk are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SampleFormat {
+    /// 8-bit unsigned, 128 is zero.
+    PcmU8,
+    Pcm16,
+    /// 24-bit little-endian, packed in 3 bytes.
+    Pcm24,
+    Pcm32,
+    Float32,
+    Float64,
+}
+
+impl SampleFormat {
+    fn from_tag(tag: u16, bits: u16) -> Result<SampleFormat, DecodeError> {
+        match (tag, bits) {
+            (WAVE_FORMAT_PCM, 8) => Ok(SampleFormat::PcmU8),
+            (WAVE_FORMAT_PCM, 16) => Ok(SampleFormat::Pcm16),
+            (WAVE_FORMAT_PCM, 24) => Ok(SampleFormat::Pcm24),
+            (WAVE_FORMAT_PCM, 32) => Ok(SampleFormat::Pcm32),
+            (WAVE_FORMAT_IEEE_FLOAT, 32) => Ok(SampleFormat::Float32),
+            (WAVE_FORMAT_IEEE_FLOAT, 64) => Ok(SampleFormat::Float64),
+            _ => Err(DecodeError::UnsupportedEncoding { tag, bits }),
+        }
+    }
+}
+
+/// What the header says, checked against the bytes actually present: when
+/// [`parse_header`] returns this, `bytes[data_offset..data_offset + data_len]` exists and holds
+/// exactly `frames` whole frames.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WavInfo {
+    pub format: SampleFormat,
+    pub channels: u16,
+    pub sample_rate: u32,
+    pub bits_per_sample: u16,
+    /// Bytes per frame (all channels of one sample instant).
+    pub block_align: u16,
+    /// Where the data chunk's samples start in the file.
+    pub data_offset: usize,
+    /// Length of the data chunk's samples in bytes.
+    pub data_len: usize,
+    pub frames: usize,
+}
+
+/// The parts of the fmt chunk that matter, already validated.
+struct Fmt {
+    format: SampleFormat,
+    channels: u16,
+    sample_rate: u32,
+    bits_per_sample: u16,
+    block_align: u16,
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn parse_fmt(body: &[u8]) -> Result<Fmt, DecodeError> {
+    // Callers pass the whole chunk body; its length fits in u32 because it came from one.
+    let size = body.len() as u32;
+    if body.len() < 16 {
+        return Err(DecodeError::FmtTooShort { size, needed: 16 });
+    }
+    let mut tag = u16_at(body, 0);
+    let channels = u16_at(body, 2);
+    let sample_rate = u32_at(body, 4);
+    let block_align = u16_at(body, 12);
+    let bits = u16_at(body, 14);
+    if tag == WAVE_FORMAT_EXTENSIBLE {
+        // cbSize, valid bits and channel mask (16..24) do not change how samples are read:
+        // valid bits < container bits still means left-justified samples.
+        if body.len() < 40 {
+            return Err(DecodeError::FmtTooShort { size, needed: 40 });
+        }
+        let mut guid = [0u8; 16];
+        guid.copy_from_slice(&body[24..40]);
+        if guid[2..] != SUBFORMAT_GUID_TAIL {
+            return Err(DecodeError::UnknownSubformat(guid));
+        }
+        tag = u16::from_le_bytes([guid[0], guid[1]]);
+    }
+    if channels == 0 {
+        return Err(DecodeError::ZeroChannels);
+    }
+    if channels > MAX_CHANNELS {
+        return Err(DecodeError::TooManyChannels(channels));
+    }
+    if sample_rate == 0 {
+        return Err(DecodeError::ZeroSampleRate);
+    }
+    if !(MIN_SAMPLE_RATE..=MAX_SAMPLE_RATE).contains(&sample_rate) {
+        return Err(DecodeError::SampleRateOutOfRange(sample_rate));
+    }
+    let format = SampleFormat::from_tag(tag, bits)?;
+    let expected = u32::from(channels) * u32::from(bits / 8);
+    if u32::from(block_align) != expected {
+        return Err(DecodeError::BlockAlign {
+            block_align,
+            channels,
+            bits,
+            expected,
+        });
+    }
+    Ok(Fmt {
+        format,
+        channels,
+        sample_rate,
+        bits_per_sample: bits,
+        block_align,
+    })
+}
+
+/// Whether `b` starts with something that reads as a RIFF chunk header that fits in `b`: used to
+/// tell metadata appended after the audio from audio written past a header not yet updated.
+fn looks_like_chunk(b: &[u8]) -> bool {
+    if b.len() < 8 {
+        return false;
+    }
+    let id_ok =
+        b[0].is_ascii_alphanumeric() && b[1..4].iter().all(|c| c.is_ascii_graphic() || *c == b' ');
+    // A missing pad byte after an odd-sized last chunk is a common writer slip; allow it.
+    id_ok && u64::from(u32_at(b, 4)) <= (b.len() - 8) as u64 + 1
+}
+
+/// Parse and check the header against the actual byte length. Used by [`decode`] and by the
+/// daemon to tell whether a file still being written is complete ("header consistent with the
+/// size"); see [`DecodeError::is_incomplete`].
+///
+/// Chunks before `data` other than `fmt ` are skipped (word-aligned: an odd size has a pad
+/// byte); anything after the data chunk is ignored. Sizes the file cannot back are errors: a
+/// chunk reaching past the end of the file but not of the declared RIFF is truncation, one
+/// reaching past the RIFF too is a corrupt header.
+pub fn parse_header(bytes: &[u8]) -> Result<WavInfo, DecodeError> {
+    let len = bytes.len();
+    if len == 0 {
+        return Err(DecodeError::Empty);
+    }
+    let magic = &bytes[..len.min(4)];
+    if len < 12 {
+        // A recorder that has written only the first bytes of its header.
+        return if b"RIFF".starts_with(magic) {
+            Err(DecodeError::TruncatedChunkHeader { file_len: len })
+        } else {
+            Err(DecodeError::NotWav)
+        };
+    }
+    match (magic, &bytes[8..12]) {
+        (b"RIFF", b"WAVE") => {}
+        (b"RIFX", b"WAVE") => return Err(DecodeError::UnsupportedContainer("big-endian RIFX")),
+        (b"RF64", b"WAVE") => return Err(DecodeError::UnsupportedContainer("64-bit RF64")),
+        _ => return Err(DecodeError::NotWav),
+    }
+    let riff_size = u32_at(bytes, 4);
+    if riff_size == 0 || riff_size == u32::MAX {
+        return Err(DecodeError::PlaceholderSizes);
+    }
+    // u64 throughout: chunk ends computed from u32 sizes must not wrap on 32-bit targets.
+    let len64 = len as u64;
+    let riff_end = 8 + u64::from(riff_size);
+
+    let mut fmt = None;
+    let mut pos = 12u64;
+    loop {
+        if pos >= len64 {
+            break;
+        }
+        if pos + 8 > len64 {
+            if pos < riff_end {
+                return Err(DecodeError::TruncatedChunkHeader { file_len: len });
+            }
+            break; // a few stray bytes after the RIFF: not ours to judge
+        }
+        let at = pos as usize;
+        let chunk = ChunkId([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
+        let size = u32_at(bytes, at + 4);
+        let body = pos + 8;
+        let end = body + u64::from(size);
+        if &chunk.0 == b"data" {
+            let info = fmt.ok_or(DecodeError::NoFmt)?;
+            return check_data(bytes, info, body, size, riff_end);
+        }
+        if end > len64 {
+            if pos >= riff_end {
+                break; // bytes past the declared RIFF that do not form a chunk
+            }
+            return Err(oversized(chunk, size, body, end, riff_end, len));
+        }
+        if &chunk.0 == b"fmt " && fmt.is_none() {
+            fmt = Some(parse_fmt(&bytes[body as usize..end as usize])?);
+        }
+        pos = end + u64::from(size & 1);
+    }
+    if riff_end > len64 + 1 {
+        return Err(DecodeError::Truncated {
+            chunk: ChunkId(*b"RIFF"),
+            declared: u64::from(riff_size),
+            present: len - 8,
+        });
+    }
+    Err(DecodeError::NoData)
+}
+
+/// A chunk reaching past the end of the file: truncation if the RIFF size says the file should
+/// be that long, a corrupt size if not even the RIFF covers it.
+fn oversized(
+    chunk: ChunkId,
+    size: u32,
+    body: u64,
+    end: u64,
+    riff_end: u64,
+    len: usize,
+) -> DecodeError {
+    // +1: the RIFF size of a writer that forgot the final pad byte.
+    if end > riff_end + 1 {
+        DecodeError::ChunkTooLarge {
+            chunk,
+            size,
+            file_len: len,
+        }
+    } else {
+        DecodeError::Truncated {
+            chunk,
+            declared: u64::from(size),
+            present: len - body as usize,
+        }
+    }
+}
+
+fn check_data(
+    bytes: &[u8],
+    fmt: Fmt,
+    body: u64,
+    size: u32,
+    riff_end: u64,
+) -> Result<WavInfo, DecodeError> {
+    let len = bytes.len();
+    let len64 = len as u64;
+    // body <= len: the caller read the 8-byte chunk header before it.
+    let after_header = &bytes[body as usize..];
+    if size == u32::MAX
+        || (size == 0 && !after_header.is_empty() && !looks_like_chunk(after_header))
+    {
+        return Err(DecodeError::PlaceholderSizes);
+    }
+    let end = body + u64::from(size);
+    if end > len64 {
+        return Err(oversized(ChunkId(*b"data"), size, body, end, riff_end, len));
+    }
+    if size == 0 {
+        return Err(DecodeError::NoFrames);
+    }
+    let padded_end = end + u64::from(size & 1);
+    if riff_end <= padded_end && padded_end + 1 < len64 {
+        // The RIFF ends with the audio, yet more bytes follow: either metadata someone appended
+        // without updating the RIFF size (fine), or audio a recorder wrote past a header it
+        // updates only now and then (not finished).
+        let trailing_ok = looks_like_chunk(&bytes[end as usize..])
+            || looks_like_chunk(&bytes[padded_end as usize..]);
+        if !trailing_ok {
+            return Err(DecodeError::StaleHeader {
+                declared: size,
+                present: after_header.len(),
+            });
+        }
+    }
+    if riff_end > len64 + 1 {
+        // The audio is all there, but the file is shorter than its RIFF size: whatever was to
+        // follow the data chunk is still being written or was lost.
+        return Err(DecodeError::Truncated {
+            chunk: ChunkId(*b"RIFF"),
+            declared: riff_end - 8,
+            present: len - 8,
+        });
+    }
+    if size % u32::from(fmt.block_align) != 0 {
+        return Err(DecodeError::PartialFrame {
+            data_len: size,
+            block_align: fmt.block_align,
+        });
+    }
+    let data_len = size as usize;
+    Ok(WavInfo {
+        format: fmt.format,
+        channels: fmt.channels,
+        sample_rate: fmt.sample_rate,
+        bits_per_sample: fmt.bits_per_sample,
+        block_align: fmt.block_align,
+        data_offset: body as usize,
+        data_len,
+        frames: data_len / usize::from(fmt.block_align),
+    })
+}
+
+/// Decode to mono at `sample_rate`, zero-padded or trimmed to exactly `num_samples`.
+///
+/// 16-bit mono PCM already at `sample_rate` comes back as [`Waveform::Pcm16`] without
+/// conversion (the common case, a copy of the data chunk). Everything else becomes
+/// [`Waveform::Float`]: integer PCM divided by 2^(bits-1) (8-bit centred on 128 first), float
+/// as stored, channels averaged in f64, then resampled with a band-limited FFT resampler whose
+/// delay is removed so sample `i` of the output is at time `i / sample_rate` of the recording.
+/// A resampled recording of `frames` frames is `ceil(frames * sample_rate / file_rate)` samples
+/// long before padding or trimming. Only the frames that reach the first `num_samples` output
+/// samples are converted.
+pub fn decode(bytes: &[u8], sample_rate: u32, num_samples: usize) -> Result<Waveform, DecodeError> {
+    let info = parse_header(bytes)?;
+    let data = &bytes[info.data_offset..info.data_offset + info.data_len];
+    if info.sample_rate == sample_rate {
+        if info.format == SampleFormat::Pcm16 && info.channels == 1 {
+            return Ok(Waveform::Pcm16(pcm16_mono(data, num_samples)));
+        }
+        let mut mono = to_mono(data, &info, info.frames.min(num_samples))?;
+        mono.resize(num_samples, 0.0);
+        return Ok(Waveform::Float(mono));
+    }
+    let mut resampler = BandLimited::new(info.sample_rate, sample_rate)?;
+    let used = resampler.input_needed(num_samples).min(info.frames);
+    let mono = to_mono(data, &info, used)?;
+    let mut out = resampler.run(&mono, info.frames, num_samples)?;
+    out.resize(num_samples, 0.0);
+    Ok(Waveform::Float(out))
+}
+
+/// The fast path: the data chunk is already the waveform. An element-wise loop the compiler
+/// vectorises, rather than a memcpy into a cast slice: glibc's memcpy of this unaligned source
+/// (`rep movsb`) took 40 us for a 10 s clip on AMD EPYC, this takes 3 us.
+fn pcm16_mono(data: &[u8], num_samples: usize) -> Vec<i16> {
+    let n = num_samples.min(data.len() / 2);
+    let mut out = Vec::with_capacity(num_samples);
+    out.extend(
+        data[..2 * n]
+            .chunks_exact(2)
+            .map(|c| i16::from_le_bytes([c[0], c[1]])),
+    );
+    out.resize(num_samples, 0);
+    out
+}
+
+/// The first `frames` frames of `data` as mono float.
+fn to_mono(data: &[u8], info: &WavInfo, frames: usize) -> Result<Vec<f32>, DecodeError> {
+    let data = &data[..frames * usize::from(info.block_align)];
+    let ch = usize::from(info.channels);
+    let mono = match info.format {
+        SampleFormat::PcmU8 => mix(data, ch, |[b]: [u8; 1]| (f64::from(b) - 128.0) / 128.0),
+        SampleFormat::Pcm16 => mix(data, ch, |b| f64::from(i16::from_le_bytes(b)) / 32768.0),
+        SampleFormat::Pcm24 => mix(data, ch, |[a, b, c]: [u8; 3]| {
+            // Put the 3 bytes in the top of an i32 so the shift sign-extends.
+            f64::from(i32::from_le_bytes([0, a, b, c]) >> 8) / 8_388_608.0
+        }),
+        SampleFormat::Pcm32 => mix(data, ch, |b| {
+            f64::from(i32::from_le_bytes(b)) / 2_147_483_648.0
+        }),
+        SampleFormat::Float32 => mix(data, ch, |b| f64::from(f32::from_le_bytes(b))),
+        SampleFormat::Float64 => mix(data, ch, f64::from_le_bytes),
+    };
+    // Integer formats cannot produce these; a NaN in a float file would poison every row value.
+    if let Some(frame) = mono.iter().position(|v| !v.is_finite()) {
+        return Err(DecodeError::NonFinite { frame });
+    }
+    Ok(mono)
+}
+
+/// Average the channels of each frame of `W`-byte samples. Summing in f64 and dividing once
+/// keeps the average exact for every integer format (and matches numpy's `mean(axis=1)`).
+fn mix<const W: usize>(data: &[u8], channels: usize, sample: impl Fn([u8; W]) -> f64) -> Vec<f32> {
+    // chunks_exact(W) yields W bytes, so the conversion never falls back to the default.
+    let read = |c: &[u8]| sample(c.try_into().unwrap_or([0; W]));
+    if channels == 1 {
+        return data.chunks_exact(W).map(|c| read(c) as f32).collect();
+    }
+    let n = channels as f64;
+    data.chunks_exact(W * channels)
+        .map(|frame| (frame.chunks_exact(W).map(read).sum::<f64>() / n) as f32)
+        .collect()
+}
+
+/// Sample-rate conversion with rubato's FFT resampler: a synchronous (exact rational ratio)
+/// resampler whose anti-aliasing filter is a windowed sinc as long as one FFT block, with a delay
+/// of exactly half an output block, which [`BandLimited::run`] removes.
+struct BandLimited {
+    from: u32,
+    to: u32,
+    inner: rubato::FftFixedInOut<f32>,
+}
+
+/// Least output-rate length of the anti-aliasing filter. Measured from 8192 to 4096 Hz: flat
+/// (< 0.01 dB) up to 2000 Hz, and what lies above 2048 Hz more than 115 dB down, below 16-bit
+/// quantisation.
+const FILTER_LEN_OUT: u64 = 1024;
+
+impl BandLimited {
+    fn new(from: u32, to: u32) -> Result<Self, DecodeError> {
+        let err = |reason: String| DecodeError::Resample { from, to, reason };
+        if to == 0 {
+            return Err(err("the target sample rate is 0 Hz".into()));
+        }
+        let g = gcd(u64::from(from), u64::from(to));
+        let (p, q) = (u64::from(to) / g, u64::from(from) / g);
+        // A block is `blocks` times (q in, p out) frames. The filter is centred on the middle of
+        // the input block and rubato removes half an output block: both halves must be whole
+        // frames for the two to coincide, and since p and q are coprime that takes an even
+        // number of blocks.
+        let blocks = FILTER_LEN_OUT.div_ceil(p).next_multiple_of(2);
+        let inner =
+            rubato::FftFixedInOut::new(from as usize, to as usize, (blocks * q) as usize, 1)
+                .map_err(|e| err(e.to_string()))?;
+        Ok(BandLimited { from, to, inner })
+    }
+
+    /// Input frames that influence the first `num_samples` output samples.
+    fn input_needed(&self, num_samples: usize) -> usize {
+        let exact = (num_samples as u128 * u128::from(self.from)).div_ceil(u128::from(self.to));
+        // One input block covers the filter's reach past the last output sample.
+        usize::try_from(exact)
+            .unwrap_or(usize::MAX)
+            .saturating_add(self.inner.input_frames_next())
+    }
+
+    /// Resample `input` (the first frames of a recording `total_frames` long) and return at most
+    /// `num_samples` samples, time-aligned with the input.
+    fn run(
+        &mut self,
+        input: &[f32],
+        total_frames: usize,
+        num_samples: usize,
+    ) -> Result<Vec<f32>, DecodeError> {
+        let full_len = (total_frames as u128 * u128::from(self.to)).div_ceil(u128::from(self.from));
+        let want = usize::try_from(full_len)
+            .unwrap_or(usize::MAX)
+            .min(num_samples);
+        let chunk_in = self.inner.input_frames_next();
+        let chunk_out = self.inner.output_frames_next();
+        let delay = self.inner.output_delay();
+        let mut out = Vec::with_capacity(delay + want + chunk_out);
+        let mut block_in = vec![0f32; chunk_in];
+        let mut block_out = vec![0f32; chunk_out];
+        let mut pos = 0;
+        // Past the end of the input, zeros flush the filter's tail into the last samples.
+        while out.len() < delay + want {
+            let n = chunk_in.min(input.len() - pos);
+            block_in[..n].copy_from_slice(&input[pos..pos + n]);
+            block_in[n..].fill(0.0);
+            pos += n;
+            self.inner
+                .process_into_buffer(&[&block_in[..]], &mut [&mut block_out[..]], None)
+                .map_err(|e| DecodeError::Resample {
+                    from: self.from,
+                    to: self.to,
+                    reason: e.to_string(),
+                })?;
+            out.extend_from_slice(&block_out);
+        }
+        out.drain(..delay);
+        out.truncate(want);
+        Ok(out)
+    }
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 16-byte fmt chunk body.
+    fn fmt(tag: u16, channels: u16, rate: u32, bits: u16) -> Vec<u8> {
+        let align = channels * (bits / 8);
+        let mut f = Vec::new();
+        f.extend(tag.to_le_bytes());
+        f.extend(channels.to_le_bytes());
+        f.extend(rate.to_le_bytes());
+        f.extend((rate * u32::from(align)).to_le_bytes());
+        f.extend(align.to_le_bytes());
+        f.extend(bits.to_le_bytes());
+        f
+    }
+
+    /// A 40-byte WAVE_FORMAT_EXTENSIBLE fmt chunk body for sub-format `tag`.
+    fn fmt_extensible(tag: u16, channels: u16, rate: u32, bits: u16) -> Vec<u8> {
+        let mut f = fmt(WAVE_FORMAT_EXTENSIBLE, channels, rate, bits);
+        f.extend(22u16.to_le_bytes()); // cbSize
+        f.extend(bits.to_le_bytes()); // valid bits
+        f.extend(0u32.to_le_bytes()); // channel mask
+        f.extend(tag.to_le_bytes());
+        f.extend(SUBFORMAT_GUID_TAIL);
+        f
+    }
+
+    /// A RIFF/WAVE file of the given chunks, each padded to an even size, RIFF size exact.
+    fn riff(chunks: &[(&[u8; 4], &[u8])]) -> Vec<u8> {
+        let mut b = b"RIFF\0\0\0\0WAVE".to_vec();
+        for (id, body) in chunks {
+            b.extend(*id);
+            b.extend((body.len() as u32).to_le_bytes());
+            b.extend(*body);
+            if body.len() % 2 == 1 {
+                b.push(0);
+            }
+        }
+        let riff_size = (b.len() - 8) as u32;
+        b[4..8].copy_from_slice(&riff_size.to_le_bytes());
+        b
+    }
+
+    fn wav(tag: u16, channels: u16, rate: u32, bits: u16, data: &[u8]) -> Vec<u8> {
+        riff(&[(b"fmt ", &fmt(tag, channels, rate, bits)), (b"data", data)])
+    }
+
+    fn pcm16(samples: &[i16]) -> Vec<u8> {
+        samples.iter().flat_map(|s| s.to_le_bytes()).collect()
+    }
+
+    fn floats(w: Waveform) -> Vec<f32> {
+        match w {
+            Waveform::Float(v) => v,
+            Waveform::Pcm16(_) => panic!("expected a float waveform"),
+        }
+    }
+
+    fn err(bytes: &[u8]) -> DecodeError {
+        decode(bytes, 4096, 16).expect_err("should be rejected")
+    }
+
+    #[test]
+    fn pcm16_mono_at_rate_is_copied_and_padded_or_trimmed() {
+        let s = [0i16, 1, -1, i16::MAX, i16::MIN, 1234];
+        let w = wav(1, 1, 4096, 16, &pcm16(&s));
+        assert_eq!(
+            decode(&w, 4096, 8).unwrap(),
+            Waveform::Pcm16(vec![0, 1, -1, i16::MAX, i16::MIN, 1234, 0, 0])
+        );
+        assert_eq!(
+            decode(&w, 4096, 3).unwrap(),
+            Waveform::Pcm16(vec![0, 1, -1])
+        );
+        let info = parse_header(&w).unwrap();
+        assert_eq!(info.format, SampleFormat::Pcm16);
+        assert_eq!(
+            (info.channels, info.sample_rate, info.bits_per_sample),
+            (1, 4096, 16)
+        );
+        assert_eq!(
+            (
+                info.block_align,
+                info.data_offset,
+                info.data_len,
+                info.frames
+            ),
+            (2, 44, 12, 6)
+        );
+    }
+
+    #[test]
+    fn u8_is_centred_on_128() {
+        let w = wav(1, 1, 4096, 8, &[0, 64, 128, 255]);
+        assert_eq!(
+            floats(decode(&w, 4096, 5).unwrap()),
+            [-1.0, -0.5, 0.0, 127.0 / 128.0, 0.0]
+        );
+    }
+
+    #[test]
+    fn pcm24_is_packed_little_endian_and_sign_extended() {
+        let vals = [-8_388_608i32, 8_388_607, 1, -1, 0x12_3456];
+        let data: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| v.to_le_bytes()[..3].to_vec())
+            .collect();
+        let got = floats(decode(&wav(1, 1, 4096, 24, &data), 4096, 5).unwrap());
+        let want: Vec<f32> = vals
+            .iter()
+            .map(|&v| (f64::from(v) / 8_388_608.0) as f32)
+            .collect();
+        assert_eq!(got, want);
+        assert_eq!(got[0], -1.0);
+    }
+
+    #[test]
+    fn pcm32_is_divided_by_2_pow_31() {
+        let vals = [i32::MIN, i32::MAX, 1 << 16, -(1 << 30)];
+        let data: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let got = floats(decode(&wav(1, 1, 4096, 32, &data), 4096, 4).unwrap());
+        assert_eq!(
+            got,
+            [
+                -1.0,
+                (f64::from(i32::MAX) / 2_147_483_648.0) as f32,
+                1.0 / 32768.0,
+                -0.5
+            ]
+        );
+    }
+
+    #[test]
+    fn float_is_taken_as_is() {
+        let vals = [0.25f32, -0.75, 1e-7, 0.999];
+        let data: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(
+            floats(decode(&wav(3, 1, 4096, 32, &data), 4096, 4).unwrap()),
+            vals
+        );
+        let data64: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| f64::from(*v).to_le_bytes())
+            .collect();
+        assert_eq!(
+            floats(decode(&wav(3, 1, 4096, 64, &data64), 4096, 4).unwrap()),
+            vals
+        );
+    }
+
+    #[test]
+    fn non_finite_float_is_rejected() {
+        let data: Vec<u8> = [0.5f32, f32::NAN]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(
+            err(&wav(3, 1, 4096, 32, &data)),
+            DecodeError::NonFinite { frame: 1 }
+        );
+    }
+
+    #[test]
+    fn channels_are_averaged() {
+        // Frames (1000, -3000) and (32767, 32767).
+        let w = wav(1, 2, 4096, 16, &pcm16(&[1000, -3000, 32767, 32767]));
+        let got = floats(decode(&w, 4096, 2).unwrap());
+        assert_eq!(got, [-1000.0 / 32768.0, 32767.0 / 32768.0]);
+        let three = wav(1, 3, 4096, 8, &[128, 129, 130]);
+        assert_eq!(
+            floats(decode(&three, 4096, 1).unwrap()),
+            [(3.0f64 / 3.0 / 128.0) as f32]
+        );
+    }
+
+    #[test]
+    fn extensible_uses_the_subformat() {
+        let data = pcm16(&[100, 300, -100, -300]);
+        let w = riff(&[(b"fmt ", &fmt_extensible(1, 2, 4096, 16)), (b"data", &data)]);
+        assert_eq!(
+            floats(decode(&w, 4096, 2).unwrap()),
+            [200.0 / 32768.0, -200.0 / 32768.0]
+        );
+        // Mono 16-bit extensible is the plain fast path.
+        let mono = riff(&[(b"fmt ", &fmt_extensible(1, 1, 4096, 16)), (b"data", &data)]);
+        assert_eq!(
+            decode(&mono, 4096, 4).unwrap(),
+            Waveform::Pcm16(vec![100, 300, -100, -300])
+        );
+        let fl = riff(&[
+            (b"fmt ", &fmt_extensible(3, 1, 4096, 32)),
+            (b"data", &0.5f32.to_le_bytes()),
+        ]);
+        assert_eq!(floats(decode(&fl, 4096, 1).unwrap()), [0.5]);
+        let alaw = riff(&[
+            (b"fmt ", &fmt_extensible(6, 1, 4096, 8)),
+            (b"data", &[0; 4]),
+        ]);
+        assert!(err(&alaw).to_string().contains("A-law"));
+        let mut odd = fmt_extensible(1, 1, 4096, 16);
+        odd[39] ^= 0xFF;
+        let odd = riff(&[(b"fmt ", &odd), (b"data", &data)]);
+        assert!(matches!(err(&odd), DecodeError::UnknownSubformat(_)));
+        let short = riff(&[
+            (b"fmt ", &fmt_extensible(1, 1, 4096, 16)[..24]),
+            (b"data", &data),
+        ]);
+        assert_eq!(
+            err(&short),
+            DecodeError::FmtTooShort {
+                size: 24,
+                needed: 40
+            }
+        );
+    }
+
+    #[test]
+    fn chunks_before_data_are_skipped_with_their_pad_byte() {
+        let data = pcm16(&[7, -7]);
+        let w = riff(&[
+            (b"fmt ", &fmt(1, 1, 4096, 16)),
+            (b"fact", &2u32.to_le_bytes()),
+            (b"junk", b"odd"), // 3 bytes + 1 pad byte
+            (b"LIST", b"INFOISFT\x05\0\0\0abcde"),
+            (b"data", &data),
+            (b"LIST", b"after the data is fine"),
+        ]);
+        assert_eq!(decode(&w, 4096, 2).unwrap(), Waveform::Pcm16(vec![7, -7]));
+        assert_eq!(parse_header(&w).unwrap().data_offset, w.len() - 8 - 22 - 4);
+    }
+
+    #[test]
+    fn odd_data_chunk_without_pad_byte_is_accepted() {
+        let mut w = wav(1, 1, 4096, 8, &[128, 255, 0]);
+        w.pop(); // the pad byte
+        assert_eq!(
+            floats(decode(&w, 4096, 3).unwrap()),
+            [0.0, 127.0 / 128.0, -1.0]
+        );
+    }
+
+    #[test]
+    fn messages_name_the_problem() {
+        let good = wav(1, 1, 4096, 16, &pcm16(&[1; 64]));
+        let cases: Vec<(Vec<u8>, DecodeError, &str)> = vec![
+            (vec![], DecodeError::Empty, "empty file (0 bytes)"),
+            (
+                b"hello, not audio".to_vec(),
+                DecodeError::NotWav,
+                "not a WAV file",
+            ),
+            (
+                [b"RIFX".as_slice(), &good[4..]].concat(),
+                DecodeError::UnsupportedContainer("big-endian RIFX"),
+                "RIFX",
+            ),
+            (
+                riff(&[(b"fmt ", &fmt(1, 0, 4096, 16)), (b"data", &[0; 4])]),
+                DecodeError::ZeroChannels,
+                "fmt declares 0 channels",
+            ),
+            (
+                riff(&[(b"fmt ", &fmt(1, 65, 4096, 16)), (b"data", &[0; 130])]),
+                DecodeError::TooManyChannels(65),
+                "65 channels",
+            ),
+            (
+                riff(&[(b"fmt ", &fmt(1, 1, 0, 16)), (b"data", &[0; 4])]),
+                DecodeError::ZeroSampleRate,
+                "sample rate of 0 Hz",
+            ),
+            (
+                riff(&[(b"fmt ", &fmt(1, 1, 10_000_000, 16)), (b"data", &[0; 4])]),
+                DecodeError::SampleRateOutOfRange(10_000_000),
+                "10000000 Hz",
+            ),
+            (
+                riff(&[(b"fmt ", &fmt(6, 1, 4096, 8)), (b"data", &[0; 4])]),
+                DecodeError::UnsupportedEncoding { tag: 6, bits: 8 },
+                "unsupported encoding: A-law (format tag 6); only PCM 8/16/24/32-bit",
+            ),
+            (
+                riff(&[(b"fmt ", &fmt(7, 1, 4096, 8)), (b"data", &[0; 4])]),
+                DecodeError::UnsupportedEncoding { tag: 7, bits: 8 },
+                "mu-law",
+            ),
+            (
+                riff(&[(b"fmt ", &fmt(2, 1, 4096, 4)), (b"data", &[0; 4])]),
+                DecodeError::UnsupportedEncoding { tag: 2, bits: 4 },
+                "ADPCM",
+            ),
+            (
+                riff(&[(b"fmt ", &fmt(1, 1, 4096, 12)), (b"data", &[0; 4])]),
+                DecodeError::UnsupportedEncoding { tag: 1, bits: 12 },
+                "12-bit PCM",
+            ),
+            (
+                riff(&[(b"fmt ", &fmt(1, 1, 4096, 16)[..14]), (b"data", &[0; 4])]),
+                DecodeError::FmtTooShort {
+                    size: 14,
+                    needed: 16,
+                },
+                "fmt chunk is 14 bytes",
+            ),
+            (
+                riff(&[(b"data", &[0; 4]), (b"fmt ", &fmt(1, 1, 4096, 16))]),
+                DecodeError::NoFmt,
+                "no fmt chunk",
+            ),
+            (
+                riff(&[(b"fmt ", &fmt(1, 1, 4096, 16))]),
+                DecodeError::NoData,
+                "no data chunk",
+            ),
+            (
+                riff(&[(b"fmt ", &fmt(1, 1, 4096, 16)), (b"data", &[])]),
+                DecodeError::NoFrames,
+                "no audio frames",
+            ),
+            (
+                riff(&[(b"fmt ", &fmt(1, 2, 4096, 16)), (b"data", &[0; 6])]),
+                DecodeError::PartialFrame {
+                    data_len: 6,
+                    block_align: 4,
+                },
+                "not a whole number of 4-byte frames",
+            ),
+        ];
+        for (bytes, want, words) in cases {
+            let got = err(&bytes);
+            assert_eq!(got, want);
+            assert!(got.to_string().contains(words), "{got} lacks {words:?}");
+            assert!(!got.is_incomplete(), "{got}");
+        }
+        let mut bad_align = wav(1, 2, 4096, 16, &[0; 8]);
+        bad_align[32] = 3;
+        assert_eq!(
+            err(&bad_align).to_string(),
+            "fmt declares block_align 3, but 2 channels of 16 bits need 4"
+        );
+    }
+
+    #[test]
+    fn sizes_beyond_the_file() {
+        let good = wav(1, 1, 4096, 16, &pcm16(&[1; 64]));
+        // Cut inside the data chunk: truncated, and it may still be arriving.
+        let e = err(&good[..100]);
+        assert_eq!(
+            e.to_string(),
+            "truncated: data chunk declares 128 bytes but only 56 are present"
+        );
+        assert!(e.is_incomplete());
+        // Cut inside a chunk header, or inside the RIFF header itself.
+        assert_eq!(
+            err(b"RIF"),
+            DecodeError::TruncatedChunkHeader { file_len: 3 }
+        );
+        assert_eq!(
+            err(&good[..40]),
+            DecodeError::TruncatedChunkHeader { file_len: 40 }
+        );
+        // Cut right after fmt: the RIFF says more is coming.
+        assert!(
+            matches!(err(&good[..36]), DecodeError::Truncated { chunk: ChunkId(c), .. } if &c == b"RIFF")
+        );
+        // A chunk that claims more than even the RIFF size: a corrupt header, not truncation.
+        let mut huge = good.clone();
+        huge[16..20].copy_from_slice(&0x8000_0000u32.to_le_bytes());
+        let e = err(&huge);
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "chunk `fmt` claims 2147483648 bytes, more than the file ({} bytes)",
+                good.len()
+            )
+        );
+        assert!(!e.is_incomplete());
+        let mut huge_data = good.clone();
+        huge_data[40..44].copy_from_slice(&0x7FFF_0000u32.to_le_bytes());
+        assert!(matches!(err(&huge_data), DecodeError::ChunkTooLarge { .. }));
+        // Data complete, but the RIFF promised a trailing chunk that is not there (yet).
+        let mut riff_long = good.clone();
+        riff_long[4..8].copy_from_slice(&(good.len() as u32 + 100).to_le_bytes());
+        let e = err(&riff_long);
+        assert!(e.is_incomplete());
+        assert!(
+            e.to_string().starts_with("truncated: RIFF chunk declares"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn recorder_placeholders_are_in_progress() {
+        let good = wav(1, 1, 4096, 16, &pcm16(&[1; 64]));
+        for (at, v) in [(4, 0u32), (4, u32::MAX), (40, u32::MAX), (40, 0)] {
+            let mut b = good.clone();
+            b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            let e = err(&b);
+            assert_eq!(e, DecodeError::PlaceholderSizes, "size {v:#x} at {at}");
+            assert!(e.to_string().starts_with("recording in progress"));
+            assert!(e.is_incomplete());
+        }
+        // A header rewritten now and then lags the audio behind it.
+        let mut stale = good.clone();
+        stale[40..44].copy_from_slice(&64u32.to_le_bytes());
+        stale[4..8].copy_from_slice(&(36u32 + 64).to_le_bytes());
+        let e = err(&stale);
+        assert_eq!(
+            e,
+            DecodeError::StaleHeader {
+                declared: 64,
+                present: 128
+            }
+        );
+        assert!(e.is_incomplete());
+        // ...but a chunk appended after the RIFF by some tagger is not audio.
+        let mut tagged = good.clone();
+        tagged.extend(b"id3 \x04\0\0\0TAG!");
+        assert!(decode(&tagged, 4096, 64).is_ok());
+    }
+
+    /// `n` samples of a sine with amplitude `a` at `f` Hz sampled at `rate`, as f64.
+    fn sine(a: f64, f: f64, rate: f64, n: usize) -> Vec<f64> {
+        (0..n)
+            .map(|i| a * (std::f64::consts::TAU * f * i as f64 / rate).sin())
+            .collect()
+    }
+
+    fn to_pcm16(x: &[f64]) -> Vec<u8> {
+        x.iter()
+            .flat_map(|v| ((v * 32768.0).round() as i16).to_le_bytes())
+            .collect()
+    }
+
+    /// Amplitude of the component at `f` Hz (a single DFT bin, Hann-windowed against leakage).
+    fn amplitude_at(x: &[f32], f: f64, rate: f64) -> f64 {
+        let n = x.len() as f64;
+        let (mut re, mut im, mut wsum) = (0.0, 0.0, 0.0);
+        for (i, &v) in x.iter().enumerate() {
+            let w = 0.5 - 0.5 * (std::f64::consts::TAU * i as f64 / n).cos();
+            let ph = std::f64::consts::TAU * f * i as f64 / rate;
+            re += w * f64::from(v) * ph.cos();
+            im -= w * f64::from(v) * ph.sin();
+            wsum += w;
+        }
+        2.0 * (re * re + im * im).sqrt() / wsum
+    }
+
+    fn correlation(a: &[f32], b: &[f64]) -> f64 {
+        let dot: f64 = a.iter().zip(b).map(|(x, y)| f64::from(*x) * y).sum();
+        let na: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum();
+        let nb: f64 = b.iter().map(|y| y * y).sum();
+        dot / (na * nb).sqrt()
+    }
+
+    #[test]
+    fn resampling_keeps_amplitude_and_time_alignment() {
+        // 1 s of 440 Hz at each rate against the same tone generated at 4096 Hz.
+        let reference = sine(0.5, 440.0, 4096.0, 4096);
+        for from in [8192u32, 2048, 8000, 44_100, 48_000] {
+            let x = sine(0.5, 440.0, f64::from(from), from as usize);
+            let got = floats(decode(&wav(1, 1, from, 16, &to_pcm16(&x)), 4096, 4096).unwrap());
+            assert_eq!(got.len(), 4096);
+            let c = correlation(&got, &reference);
+            assert!(c > 0.99, "{from} Hz: correlation {c}");
+            // Away from the edges (where the recording starts and stops abruptly) the samples
+            // match the reference closely: no delay, no gain error.
+            let worst = got[256..3840]
+                .iter()
+                .zip(&reference[256..3840])
+                .map(|(g, r)| (f64::from(*g) - r).abs())
+                .fold(0.0, f64::max);
+            assert!(worst < 2e-3, "{from} Hz: max error {worst}");
+            let amp = amplitude_at(&got, 440.0, 4096.0);
+            assert!((amp - 0.5).abs() < 0.005, "{from} Hz: amplitude {amp}");
+        }
+    }
+
+    #[test]
+    fn resampled_length_is_the_recording_length_then_zero_padding() {
+        // 0.5 s at 8192 Hz is 2048 samples at 4096 Hz; the rest is padding.
+        let x = sine(0.5, 440.0, 8192.0, 4096);
+        let got = floats(decode(&wav(1, 1, 8192, 16, &to_pcm16(&x)), 4096, 4096).unwrap());
+        assert!(got[2000..2048].iter().any(|v| v.abs() > 0.1));
+        assert!(got[2048..].iter().all(|v| *v == 0.0));
+        // Trimming a long recording gives the same samples as decoding it whole.
+        let long = sine(0.5, 440.0, 8192.0, 81920);
+        let long = wav(1, 1, 8192, 16, &to_pcm16(&long));
+        let whole = floats(decode(&long, 4096, 40960).unwrap());
+        let first = floats(decode(&long, 4096, 1000).unwrap());
+        for (a, b) in first.iter().zip(&whole) {
+            assert!((a - b).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn downsampling_removes_what_would_alias() {
+        // As the tone_8192hz fixture: 451 Hz plus 3 kHz, above the new Nyquist (2048 Hz); without
+        // an anti-aliasing filter the 3 kHz would fold to 4096 - 3000 = 1096 Hz.
+        let a = sine(0.35, 451.2, 8192.0, 81920);
+        let b = sine(0.2, 3000.0, 8192.0, 81920);
+        let x: Vec<f64> = a.iter().zip(&b).map(|(a, b)| a + b).collect();
+        let got = floats(decode(&wav(1, 1, 8192, 16, &to_pcm16(&x)), 4096, 40960).unwrap());
+        let main = amplitude_at(&got, 451.2, 4096.0);
+        let alias = amplitude_at(&got, 1096.0, 4096.0);
+        assert!((main - 0.35).abs() < 0.005, "main {main}");
+        let db = 20.0 * (alias / main).log10();
+        assert!(db < -60.0, "alias only {db} dB below the main component");
+    }
+
+    #[test]
+    fn bad_target_rate_is_an_error() {
+        let w = wav(1, 1, 4096, 16, &pcm16(&[1; 8]));
+        assert!(matches!(
+            decode(&w, 0, 8),
+            Err(DecodeError::Resample { .. })
+        ));
+    }
+
+    /// Every prefix, every single-byte change and random files: an error or a waveform of the
+    /// requested length, never a panic.
+    #[test]
+    fn malformed_inputs_never_panic() {
+        let check = |b: &[u8]| match decode(b, 4096, 64) {
+            Ok(w) => assert_eq!(w.len(), 64),
+            Err(e) => assert!(!e.to_string().is_empty()),
+        };
+        let bases = [
+            wav(1, 1, 4096, 16, &pcm16(&[3; 40])),
+            wav(1, 2, 8000, 24, &[9; 66]),
+            riff(&[
+                (b"fmt ", &fmt_extensible(3, 1, 4096, 32)),
+                (b"LIST", b"abc"),
+                (b"data", &0.5f32.to_le_bytes().repeat(8)),
+            ]),
+        ];
+        for base in &bases {
+            for n in 0..=base.len() {
+                check(&base[..n]);
+            }
+            for i in 0..base.len() {
+                for v in [0u8, 1, 0x7F, 0x80, 0xFF, base[i] ^ 1] {
+                    let mut m = base.clone();
+                    m[i] = v;
+                    check(&m);
+                }
+            }
+        }
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..20_000 {
+            let n = (next() % 96) as usize;
+            let mut b: Vec<u8> = (0..n).map(|_| next() as u8).collect();
+            // Give most of them a plausible start so the parser gets past the magic.
+            if n >= 12 && next() % 4 != 0 {
+                b[..4].copy_from_slice(b"RIFF");
+                b[8..12].copy_from_slice(b"WAVE");
+                if n >= 20 && next() % 2 == 0 {
+                    b[12..16].copy_from_slice(b"fmt ");
+                    b[16..20].copy_from_slice(&((next() % 48) as u32).to_le_bytes());
+                }
+            }
+            check(&b);
         }
     }
 }

@@ -1,1 +1,175 @@
-fn main() {}
+//! The `ailhd` command line: parses flags (and only validates them), builds the real objects
+//! through the library, and turns errors into one clear message and an exit code
+//! (0 success, 1 failure at run time, 2 bad usage or configuration).
+
+use ailhd::config::{DeviceChoice, Settings};
+use ailhd::rebuild::Ui;
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "ailhd",
+    version,
+    about = "Acoustic leak detection ingestion: WAV recordings -> segmented mel-spectrogram datasets (HDF5 + npy)"
+)]
+struct Cli {
+    /// Configuration file (else $AILHD_CONFIG, else /etc/ailhd/ailhd.toml, else built-in defaults).
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Say more (info messages).
+    #[arg(long, global = true, conflicts_with = "debug")]
+    verbose: bool,
+    /// Say everything (debug messages).
+    #[arg(long, global = true)]
+    debug: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The ingestion service (what systemd starts): watch the tree, ingest new or changed recordings.
+    Run,
+    /// Regenerate every output from the tree; the old outputs stay until the new ones are complete.
+    Rebuild {
+        /// Where to featurise (default: ingest.device from the configuration).
+        #[arg(long, value_parser = ["auto", "cpu", "cuda"])]
+        device: Option<String>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Files per state, rows per split and label, quarantined files with reasons.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Validate the configuration (exit 0, or 2 with the reason).
+    CheckConfig,
+    /// Decode and featurise one recording; print a summary, optionally a picture.
+    Inspect {
+        file: PathBuf,
+        #[arg(long)]
+        json: bool,
+        /// Write the features as a greyscale PNG.
+        #[arg(long, value_name = "OUT.png")]
+        png: Option<PathBuf>,
+    },
+    /// Make a small synthetic labelled tree, build it, show the result.
+    Demo {
+        /// Folder to create the demo in.
+        #[arg(default_value = "ailhd-demo")]
+        dir: PathBuf,
+    },
+    /// What this host offers (CPU features, CUDA driver and GPU, NVRTC) and a CPU/GPU parity self-test.
+    Doctor {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Failures that are the user's input rather than the run (exit 2).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct UsageError(String);
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let verbosity = if cli.debug { 2 } else { u8::from(cli.verbose) };
+    ailhd::logging::init(verbosity, matches!(cli.command, Command::Run));
+    match dispatch(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let usage = e.downcast_ref::<UsageError>().is_some()
+                || e.downcast_ref::<ailhd::config::ConfigError>().is_some();
+            eprintln!("ailhd: error: {e:#}");
+            ExitCode::from(if usage { 2 } else { 1 })
+        }
+    }
+}
+
+fn load_settings(cli: &Cli) -> anyhow::Result<Settings> {
+    Ok(Settings::load(cli.config.as_deref())?)
+}
+
+fn device(arg: &Option<String>, settings: &Settings) -> anyhow::Result<DeviceChoice> {
+    match arg {
+        Some(d) => d.parse().map_err(|e: String| UsageError(e).into()),
+        None => Ok(settings.ingest.device),
+    }
+}
+
+fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    let ui = Ui {
+        progress: ailhd::logging::interactive(),
+    };
+    match &cli.command {
+        Command::CheckConfig => {
+            let s = load_settings(&cli)?;
+            let shape = s.features.shape();
+            println!(
+                "configuration OK: recordings {}, output {}, state {}; rows of {:?}",
+                s.paths.recordings.display(),
+                s.paths.output.display(),
+                s.paths.state.display(),
+                shape.row_dims()
+            );
+            Ok(())
+        }
+        Command::Rebuild { device: d, json } => {
+            let s = load_settings(&cli)?;
+            let dev = device(d, &s)?;
+            let ui = Ui {
+                progress: ui.progress && !json,
+            };
+            let report = ailhd::rebuild::rebuild(&s, dev, &ui)?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", ailhd::rebuild::summary(&s, &report));
+            }
+            Ok(())
+        }
+        Command::Status { json } => {
+            let s = load_settings(&cli)?;
+            let r = ailhd::status::load(&s)?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                print!("{}", ailhd::status::render(&r));
+            }
+            Ok(())
+        }
+        Command::Inspect { file, json, png } => {
+            let s = load_settings(&cli)?;
+            let (info, row) = ailhd::inspect::inspect(&s, file)?;
+            if let Some(out) = png {
+                ailhd::inspect::write_png(&row, info.shape, out)?;
+            }
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&info)?);
+            } else {
+                print!("{}", ailhd::inspect::render(&info));
+                if let Some(out) = png {
+                    println!("  picture: {}", out.display());
+                }
+            }
+            Ok(())
+        }
+        Command::Demo { dir } => {
+            let s = load_settings(&cli)?;
+            std::fs::create_dir_all(dir)?;
+            ailhd::demo::run(dir, s.ingest.device, &ui)
+        }
+        Command::Doctor { json } => {
+            let s = load_settings(&cli)?;
+            ailhd::doctor::run_doctor(&s.features, *json)
+        }
+        Command::Run => {
+            let s = load_settings(&cli)?;
+            ailhd::daemon::run(s, cli.config.clone())
+        }
+    }
+}

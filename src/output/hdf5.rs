@@ -1,1 +1,772 @@
-//! HDF5 per-split file (stub, being written).
+//! HDF5 per-split file: one chunked, first-dimension-unlimited dataset per column plus
+//! `committed_rows`, written so that an h5py SWMR reader can follow it while it grows and a
+//! file left by a killed writer still opens and resumes (CONTRACT.md, "Outputs").
+//!
+//! On-disk guarantees and the HDF5 rules behind them:
+//! - Format bounds are pinned to v1.10 (`H5Pset_libver_bounds(V110, V110)`): SWMR needs v1.10
+//!   structures, and HDF5 2.0's default ("latest") would write objects that 1.10-1.14 readers
+//!   cannot open.
+//! - No dataset has a variable-length type (SWMR readers fail on them); the string columns are
+//!   fixed-length, NUL-padded UTF-8. The attributes that never change are variable-length UTF-8
+//!   strings (h5py returns `str`). `labels_json` and `label2id_json` change when a label is
+//!   appended, possibly under SWMR: they are fixed-length UTF-8 with room to grow, rewritten in
+//!   place (h5py returns `bytes`; `json.loads` takes either). A variable-length attribute
+//!   rewritten under SWMR breaks readers: its value moves in the global heap, which SWMR
+//!   readers never refresh ("bad heap pointer", seen in testing).
+//! - File locking is disabled on every open: HDF5's advisory `flock` would let a reader that
+//!   holds the file for days (a trainer) block the service from opening it. One writer at a
+//!   time is the caller's job (the writer lock under `paths.state`).
+//! - Commit order: data and metadata flushed and `fdatasync`ed, then `committed_rows`
+//!   written, flushed and synced. Rows below `committed_rows` are therefore complete for a
+//!   reader at any moment and after a crash. After each commit every dataset has exactly
+//!   `committed_rows` rows.
+//! - After a crash HDF5 leaves the superblock's "open for write" flags set. SWMR readers still
+//!   open such a file (it was written with SWMR ordering); plain readers refuse it ("may use
+//!   h5clear") until [`Hdf5Sink::open_append`] (which clears the flags, as `h5clear -s` does)
+//!   and a clean close.
+
+use super::{
+    columns, header_attributes, incompatible, label2id_json, labels_json, pack_rows, ColumnSpec,
+    ColumnType, OutputHeader, SplitSink, OUTPUT_SCHEMA_VERSION,
+};
+use anyhow::{bail, Context, Result};
+use half::f16;
+use hdf5::file::{FileAccess, LibraryVersion};
+use hdf5::types::{TypeDescriptor, VarLenUnicode};
+use hdf5::{Dataset, Datatype, Extent, File, SimpleExtents};
+use hdf5_sys::h5a::{H5Aread, H5Awrite};
+use hdf5_sys::h5d::{H5Dget_space, H5Dwrite};
+use hdf5_sys::h5f::{H5F_scope_t, H5Fflush, H5Fget_vfd_handle, H5Fopen, H5F_ACC_RDWR};
+use hdf5_sys::h5i::hid_t;
+use hdf5_sys::h5p::{H5Pset, H5P_DEFAULT};
+use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab};
+use std::ffi::{c_int, c_void, CString};
+use std::path::{Path, PathBuf};
+
+/// Target bytes per chunk. Big enough that bulk appends write large contiguous blocks, small
+/// enough that a daemon commit of a few rows (which rewrites each dataset's last, partial
+/// chunk) stays cheap.
+const CHUNK_BYTES: usize = 1 << 20;
+/// Chunk rows cap for the narrow columns (labels, valid...): 4096 rows is 4-32 KiB there.
+const MAX_CHUNK_ROWS: usize = 4096;
+/// Per-dataset raw-data chunk cache. Holds a few chunks, so the partial last chunk of each
+/// dataset stays cached between appends instead of being read back from disk.
+const CHUNK_CACHE_BYTES: usize = 4 << 20;
+const CHUNK_CACHE_SLOTS: usize = 521;
+
+/// Smallest capacity of the `labels_json` / `label2id_json` attributes, in bytes (about 200
+/// label names). They are created with twice their first value's length, at least this.
+const LABEL_ATTR_MIN_BYTES: usize = 4096;
+
+/// Name of HDF5's (private) file-access property that `h5clear -s` sets to clear the superblock
+/// status flags of a file a writer left open (it is in every file-access property list).
+const CLEAR_STATUS_FLAGS: &str = "clear_status_flags";
+
+/// One split's HDF5 file, open for appending.
+pub struct Hdf5Sink {
+    /// Row columns in [`columns`] order, each with the in-memory type its bytes are written as.
+    cols: Vec<Column>,
+    /// The `committed_rows` dataset (compact layout: its value lives in the dataset's object
+    /// header, which SWMR readers read with checksums and retries, so it is never torn).
+    committed_ds: Option<Dataset>,
+    /// Declared after the datasets so they are closed first.
+    file: Option<File>,
+    path: PathBuf,
+    swmr: bool,
+    /// Rows appended (extent of every row dataset).
+    len: u64,
+    committed: u64,
+    labels: Vec<String>,
+    /// Rows appended or cells written since the last commit.
+    dirty: bool,
+    /// What the rows must look like (checked against the file by `open_append`).
+    header: OutputHeader,
+}
+
+struct Column {
+    spec: ColumnSpec,
+    ds: Dataset,
+    mem_type: Datatype,
+}
+
+impl Hdf5Sink {
+    /// Create a new file at `path` (an error if it exists) with every dataset and attribute,
+    /// then, if `swmr`, switch it to SWMR writing so readers can follow it.
+    ///
+    /// The file is built under `<path>.partial` and renamed into place once complete, so a
+    /// crash while creating never leaves a half-made file under the name readers open.
+    pub fn create(path: &Path, header: &OutputHeader, swmr: bool) -> Result<Self> {
+        if path.exists() {
+            bail!(
+                "{}: already exists; not overwriting an existing output",
+                path.display()
+            );
+        }
+        let partial = partial_path(path);
+        match std::fs::remove_file(&partial) {
+            Ok(()) => log::info!(
+                "removed {} left by an interrupted create",
+                partial.display()
+            ),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("removing {}", partial.display())),
+        }
+        let file = File::with_options()
+            .set_fapl(&file_access()?)?
+            .create_excl(&partial)
+            .with_context(|| format!("{}: creating HDF5 file", partial.display()))?;
+        let specs = columns(header);
+        let mut cols = Vec::with_capacity(specs.len());
+        for spec in specs {
+            let mem_type = memory_type(spec.dtype)?;
+            let chunk_rows = (CHUNK_BYTES / spec.row_bytes()).clamp(1, MAX_CHUNK_ROWS);
+            let mut extents = vec![Extent::resizable(0)];
+            extents.extend(spec.row_dims.iter().map(|&d| Extent::fixed(d)));
+            let mut chunk = vec![chunk_rows];
+            chunk.extend(&spec.row_dims);
+            let ds = file
+                .new_dataset_builder()
+                .empty_as(&mem_type.to_descriptor()?)
+                .shape(SimpleExtents::from_vec(extents))
+                .chunk(chunk)
+                // Every element is written before `committed_rows` covers it: filling new
+                // chunks first would only double the writes.
+                .fill_time(hdf5::dataset::FillTime::Never)
+                .create(spec.name)
+                .with_context(|| {
+                    format!("{}: creating dataset {}", partial.display(), spec.name)
+                })?;
+            cols.push(Column { spec, ds, mem_type });
+        }
+        let committed_ds = file
+            .new_dataset::<i64>()
+            .shape(1)
+            .layout(hdf5::dataset::Layout::Compact)
+            .create("committed_rows")?;
+        committed_ds.write(&[0i64])?;
+        for (name, value) in header_attributes(header) {
+            if LABEL_ATTRS.contains(&name) {
+                let capacity = (2 * value.len()).max(LABEL_ATTR_MIN_BYTES);
+                file.new_attr_builder()
+                    .empty_as(TypeDescriptor::FixedUnicode(capacity))
+                    .create(name)?;
+                write_fixed_text_attr(&file, name, &value)?;
+            } else {
+                file.new_attr::<VarLenUnicode>()
+                    .create(name)?
+                    .write_scalar(&vlen(&value)?)?;
+            }
+        }
+        file.new_attr::<u32>()
+            .create("schema_version")?
+            .write_scalar(&OUTPUT_SCHEMA_VERSION)?;
+        let mut sink = Hdf5Sink {
+            cols,
+            committed_ds: Some(committed_ds),
+            file: Some(file),
+            path: path.to_path_buf(),
+            swmr: false,
+            len: 0,
+            committed: 0,
+            labels: header.labels.clone(),
+            dirty: false,
+            header: header.clone(),
+        };
+        sink.flush_and_sync()?;
+        std::fs::rename(&partial, path)
+            .with_context(|| format!("renaming {} into place", partial.display()))?;
+        sync_parent_dir(path)?;
+        if swmr {
+            sink.start_swmr()?;
+        }
+        Ok(sink)
+    }
+
+    /// Reopen an existing file for appending (a daemon restart): check that it was made by this
+    /// layout with the same feature settings (otherwise an error that says to run
+    /// `ailhd rebuild`), reclaim rows past `committed_rows` left by a crash, then start SWMR
+    /// writing if `swmr`.
+    ///
+    /// A file whose writer was killed (even in SWMR mode, at any instant) opens without
+    /// `h5clear`: if HDF5 refuses it because its superblock still says "open for write", it is
+    /// reopened with the status flags cleared, as `h5clear -s` does. That flag is HDF5's only
+    /// guard against two writers; with file locking disabled, the caller's writer lock is what
+    /// makes overriding it safe.
+    ///
+    /// `keep`: the rows the caller's own records account for (the daemon's manifest); rows past
+    /// it are reclaimed as well, even if they were committed here (a batch committed to the
+    /// outputs but not yet to the manifest when the writer died).
+    pub fn open_append(
+        path: &Path,
+        header: &OutputHeader,
+        swmr: bool,
+        keep: Option<u64>,
+    ) -> Result<Self> {
+        if !path.exists() {
+            bail!("{}: no such file", path.display());
+        }
+        let file = match open_rw(path, false) {
+            Ok(f) => f,
+            // HDF5's "file is already open for write (may use <h5clear file> ...)".
+            Err(first) if format!("{first:#}").contains("h5clear") => {
+                log::warn!(
+                    "{}: {first:#}; assuming its writer was killed and recovering it",
+                    path.display()
+                );
+                open_rw(path, true).with_context(|| {
+                    format!(
+                        "{}: cannot be opened for appending even with HDF5's status flags \
+                         cleared (first attempt: {first:#}); if it stays unreadable, move it away \
+                         and run `ailhd rebuild`",
+                        path.display()
+                    )
+                })?
+            }
+            Err(e) => {
+                return Err(e.context(format!(
+                    "{}: not a readable HDF5 file; move it away and run `ailhd rebuild`",
+                    path.display()
+                )))
+            }
+        };
+        let schema = file
+            .attr("schema_version")
+            .and_then(|a| a.read_scalar::<u32>())
+            .map_err(|e| incompatible(path, format_args!("no readable schema_version ({e})")))?;
+        if schema != OUTPUT_SCHEMA_VERSION {
+            return Err(incompatible(
+                path,
+                format_args!(
+                    "output layout version {schema}, this ailhd writes {OUTPUT_SCHEMA_VERSION}"
+                ),
+            ));
+        }
+        let fingerprint = read_text_attr(&file, "feature_fingerprint").map_err(|e| {
+            incompatible(path, format_args!("no readable feature_fingerprint ({e})"))
+        })?;
+        if fingerprint != header.features.fingerprint() {
+            return Err(incompatible(
+                path,
+                format_args!(
+                    "its feature settings (fingerprint {fingerprint}, config_json {}) differ from \
+                     the configured ones (fingerprint {}, {})",
+                    read_text_attr(&file, "config_json").unwrap_or_default(),
+                    header.features.fingerprint(),
+                    header.features.to_json()
+                ),
+            ));
+        }
+        let labels_text = read_text_attr(&file, "labels_json")?;
+        let labels: Vec<String> = serde_json::from_str(&labels_text)
+            .with_context(|| format!("{}: labels_json is not a JSON list", path.display()))?;
+
+        let committed_ds = file
+            .dataset("committed_rows")
+            .map_err(|e| incompatible(path, format_args!("no committed_rows dataset ({e})")))?;
+        let committed = match committed_ds.read_raw::<i64>()?.as_slice() {
+            [c] if *c >= 0 => *c as u64,
+            other => bail!(
+                "{}: committed_rows holds {other:?}, not one count; the file is damaged: move it \
+                 away and run `ailhd rebuild`",
+                path.display()
+            ),
+        };
+        let mut cols = Vec::new();
+        for spec in columns(header) {
+            let ds = file
+                .dataset(spec.name)
+                .map_err(|e| incompatible(path, format_args!("no dataset {} ({e})", spec.name)))?;
+            let mem_type = memory_type(spec.dtype)?;
+            let found = ds.dtype()?.to_descriptor()?;
+            let shape = ds.shape();
+            if found != mem_type.to_descriptor()? || shape[1..] != spec.row_dims[..] {
+                return Err(incompatible(
+                    path,
+                    format_args!(
+                        "dataset {} is {found:?} with shape {shape:?}, expected {:?} rows of {:?} \
+                         (outputs.path_bytes sets the width of source_path)",
+                        spec.name,
+                        mem_type.to_descriptor()?,
+                        spec.row_dims
+                    ),
+                ));
+            }
+            if (shape[0] as u64) < committed {
+                bail!(
+                    "{}: dataset {} has {} rows, fewer than committed_rows = {committed}; the file \
+                     is damaged: move it away and run `ailhd rebuild`",
+                    path.display(),
+                    spec.name,
+                    shape[0]
+                );
+            }
+            if shape[0] as u64 > committed {
+                log::info!(
+                    "{}: reclaiming {} uncommitted rows of {}",
+                    path.display(),
+                    shape[0] as u64 - committed,
+                    spec.name
+                );
+            }
+            cols.push(Column { spec, ds, mem_type });
+        }
+        let mut sink = Hdf5Sink {
+            cols,
+            committed_ds: Some(committed_ds),
+            file: Some(file),
+            path: path.to_path_buf(),
+            swmr: false,
+            len: committed,
+            committed,
+            labels,
+            dirty: false,
+            header: header.clone(),
+        };
+        // Rows past committed_rows are the partial batch of a crashed writer: drop them so
+        // that every dataset again has exactly committed_rows rows.
+        sink.resize_all(committed)?;
+        if let Some(k) = keep.filter(|&k| k < committed) {
+            log::info!(
+                "{}: reclaiming rows {k}..{committed}, never recorded in the manifest",
+                path.display()
+            );
+            sink.resize_all(k)?;
+            sink.len = k;
+            sink.dirty = true;
+            sink.commit()?;
+        }
+        sink.ensure_label_room()?;
+        sink.flush_and_sync()?;
+        if swmr {
+            sink.start_swmr()?;
+        }
+        Ok(sink)
+    }
+
+    /// Replace the `labels_json` / `label2id_json` attributes (a label folder appended under
+    /// `labels.unknown = "append"`). Ids are never renumbered, so `labels` must extend the
+    /// current list.
+    ///
+    /// Works in SWMR mode: both attributes are fixed-length strings overwritten in place, so
+    /// the file's structure does not change (SWMR writers may not add or resize objects) and
+    /// readers see the old or the new list, never an error. A SWMR reader keeps the file's
+    /// root metadata cached: it sees the new list once it reopens the file.
+    ///
+    /// The attributes have room for about twice the label list they were created with (at least
+    /// 4 KiB). Past that, they are recreated bigger when not in SWMR mode; in SWMR mode that
+    /// would change the file's structure under the readers, so it is an error that says to
+    /// restart the service (which reopens the file and grows them before starting SWMR).
+    pub fn set_labels(&mut self, labels: &[String]) -> Result<()> {
+        if !labels.starts_with(&self.labels) {
+            bail!(
+                "{}: new label list {labels:?} does not extend the current {:?}: label ids are \
+                 never renumbered",
+                self.path.display(),
+                self.labels
+            );
+        }
+        let values = [labels_json(labels), label2id_json(labels)];
+        let file = self.file()?;
+        for (name, value) in LABEL_ATTRS.iter().zip(&values) {
+            let capacity = file.attr(name)?.dtype()?.size();
+            if value.len() <= capacity {
+                continue;
+            }
+            if self.swmr {
+                bail!(
+                    "{}: the new label list needs {} bytes in attribute {name}, which holds \
+                     {capacity}; it cannot grow while SWMR readers may be reading: restart \
+                     ailhd to grow it",
+                    self.path.display(),
+                    value.len()
+                );
+            }
+            file.delete_attr(name)?;
+            file.new_attr_builder()
+                .empty_as(TypeDescriptor::FixedUnicode(2 * value.len()))
+                .create(*name)?;
+        }
+        for (name, value) in LABEL_ATTRS.iter().zip(&values) {
+            write_fixed_text_attr(file, name, value)
+                .with_context(|| format!("{}: writing attribute {name}", self.path.display()))?;
+        }
+        self.flush_and_sync()?;
+        self.labels = labels.to_vec();
+        Ok(())
+    }
+
+    /// Before SWMR starts (when the file's structure may still change): make sure the label
+    /// attributes have room for the label list to double, recreating them bigger if not.
+    fn ensure_label_room(&mut self) -> Result<()> {
+        let file = self.file()?;
+        for name in LABEL_ATTRS {
+            let value = read_text_attr(file, name)?;
+            let attr = file.attr(name)?;
+            let fixed = matches!(
+                attr.dtype()?.to_descriptor()?,
+                TypeDescriptor::FixedUnicode(_)
+            );
+            if fixed && attr.dtype()?.size() >= 2 * value.len() {
+                continue;
+            }
+            drop(attr);
+            file.delete_attr(name)?;
+            let capacity = (2 * value.len()).max(LABEL_ATTR_MIN_BYTES);
+            file.new_attr_builder()
+                .empty_as(TypeDescriptor::FixedUnicode(capacity))
+                .create(name)?;
+            write_fixed_text_attr(file, name, &value)?;
+        }
+        Ok(())
+    }
+
+    /// The label names in the file (`labels_json`), which may extend the configured list.
+    pub fn labels(&self) -> &[String] {
+        &self.labels
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn file(&self) -> Result<&File> {
+        self.file
+            .as_ref()
+            .with_context(|| format!("{}: already closed", self.path.display()))
+    }
+
+    fn start_swmr(&mut self) -> Result<()> {
+        // H5Fstart_swmr_write refuses while attributes are open; none are kept open here.
+        self.file()?
+            .start_swmr()
+            .with_context(|| format!("{}: starting SWMR writing", self.path.display()))?;
+        self.swmr = true;
+        Ok(())
+    }
+
+    fn resize_all(&mut self, rows: u64) -> Result<()> {
+        for c in &self.cols {
+            let mut shape = c.ds.shape();
+            if shape[0] as u64 != rows {
+                shape[0] = rows as usize;
+                c.ds.resize(shape).with_context(|| {
+                    format!("{}: resizing {}", self.path.display(), c.spec.name)
+                })?;
+            }
+        }
+        self.len = rows;
+        Ok(())
+    }
+
+    /// Write every cached byte to the file (H5Fflush: raw-data chunk caches, metadata,
+    /// superblock), then `fdatasync` it, so that what follows is ordered after it on disk.
+    fn flush_and_sync(&self) -> Result<()> {
+        let file = self.file()?;
+        hdf5::sync::sync(|| unsafe {
+            hdf5::h5check(H5Fflush(file.id(), H5F_scope_t::H5F_SCOPE_LOCAL))?;
+            let mut handle: *mut c_void = std::ptr::null_mut();
+            hdf5::h5check(H5Fget_vfd_handle(file.id(), H5P_DEFAULT, &mut handle))?;
+            // The sec2 driver's handle is a pointer to its file descriptor.
+            let fd = *(handle as *const c_int);
+            if libc::fdatasync(fd) != 0 {
+                return Err(anyhow::Error::from(std::io::Error::last_os_error()));
+            }
+            Ok(())
+        })
+        .with_context(|| format!("{}: flushing to disk", self.path.display()))
+    }
+
+    /// Shrink away uncommitted rows, flush, close. Idempotent.
+    fn finish(&mut self) -> Result<()> {
+        if self.file.is_none() {
+            return Ok(());
+        }
+        if self.len > self.committed {
+            log::warn!(
+                "{}: closing with {} uncommitted rows; dropping them",
+                self.path.display(),
+                self.len - self.committed
+            );
+        }
+        let committed = self.committed;
+        let result = self
+            .resize_all(committed)
+            .and_then(|()| self.flush_and_sync());
+        self.cols.clear();
+        self.committed_ds = None;
+        let file = self.file.take().expect("checked above");
+        file.close()
+            .with_context(|| format!("{}: closing", self.path.display()))?;
+        result
+    }
+}
+
+impl SplitSink for Hdf5Sink {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn committed_rows(&self) -> u64 {
+        self.committed
+    }
+
+    fn append(
+        &mut self,
+        mel: &[f16],
+        waveform: Option<&[f32]>,
+        meta: &[super::RowMeta],
+    ) -> Result<u64> {
+        let first = self.len;
+        let bytes = pack_rows(&self.header, mel, waveform, meta)?;
+        if meta.is_empty() {
+            return Ok(first);
+        }
+        let n = meta.len() as u64;
+        self.dirty = true;
+        self.resize_all(first + n)?;
+        let written = self.cols.iter().zip(&bytes).try_for_each(|(c, b)| {
+            write_rows(&c.ds, &c.mem_type, first, n, b).with_context(|| {
+                format!(
+                    "{}: writing {n} rows of {}",
+                    self.path.display(),
+                    c.spec.name
+                )
+            })
+        });
+        if written.is_err() {
+            // Leave no half-written rows for a later commit to cover.
+            let _ = self.resize_all(first);
+        }
+        written.map(|()| first)
+    }
+
+    fn set_valid(&mut self, row: u64, valid: bool) -> Result<()> {
+        self.write_cell("valid", row, &[valid as u8])
+    }
+
+    fn set_label(&mut self, row: u64, label: i16) -> Result<()> {
+        self.write_cell("labels", row, &label.to_le_bytes())
+    }
+
+    fn set_labels(&mut self, labels: &[String]) -> Result<()> {
+        Hdf5Sink::set_labels(self, labels)
+    }
+
+    fn commit(&mut self) -> Result<()> {
+        if !self.dirty {
+            return Ok(());
+        }
+        // Data first, durably; only then the count that makes it visible.
+        self.flush_and_sync()?;
+        self.committed_ds
+            .as_ref()
+            .context("closed")?
+            .write(&[self.len as i64])
+            .with_context(|| format!("{}: writing committed_rows", self.path.display()))?;
+        self.flush_and_sync()?;
+        self.committed = self.len;
+        self.dirty = false;
+        Ok(())
+    }
+
+    fn close(mut self: Box<Self>) -> Result<()> {
+        self.finish()
+    }
+}
+
+impl Drop for Hdf5Sink {
+    fn drop(&mut self) {
+        if let Err(e) = self.finish() {
+            log::error!("{}: closing: {e:#}", self.path.display());
+        }
+    }
+}
+
+impl Hdf5Sink {
+    fn write_cell(&mut self, name: &str, row: u64, bytes: &[u8]) -> Result<()> {
+        if row >= self.len {
+            bail!(
+                "{}: row {row} does not exist ({} rows)",
+                self.path.display(),
+                self.len
+            );
+        }
+        let c = self
+            .cols
+            .iter()
+            .find(|c| c.spec.name == name)
+            .expect("every layout has this column");
+        self.dirty = true;
+        write_rows(&c.ds, &c.mem_type, row, 1, bytes)
+            .with_context(|| format!("{}: writing {name}[{row}]", self.path.display()))
+    }
+}
+
+/// Write `rows` rows starting at `first` of dataset `ds` (whose extent already covers them)
+/// from `bytes`, laid out as `mem_type`: one hyperslab, one H5Dwrite. The memory types are
+/// the ones the datasets were created with, so HDF5 copies without converting.
+fn write_rows(
+    ds: &Dataset,
+    mem_type: &Datatype,
+    first: u64,
+    rows: u64,
+    bytes: &[u8],
+) -> Result<()> {
+    let row_dims: Vec<u64> = ds.shape()[1..].iter().map(|&d| d as u64).collect();
+    let mut start = vec![first];
+    start.extend(row_dims.iter().map(|_| 0));
+    let mut count = vec![rows];
+    count.extend(&row_dims);
+    let expected = mem_type.size() * count.iter().product::<u64>() as usize;
+    assert_eq!(bytes.len(), expected, "row bytes do not match the dataset");
+    hdf5::sync::sync(|| unsafe {
+        let file_space = Space(hdf5::h5check(H5Dget_space(ds.id()))?);
+        hdf5::h5check(H5Sselect_hyperslab(
+            file_space.0,
+            H5S_seloper_t::H5S_SELECT_SET,
+            start.as_ptr(),
+            std::ptr::null(),
+            count.as_ptr(),
+            std::ptr::null(),
+        ))?;
+        let mem_space = Space(hdf5::h5check(H5Screate_simple(
+            count.len() as c_int,
+            count.as_ptr(),
+            std::ptr::null(),
+        ))?);
+        hdf5::h5check(H5Dwrite(
+            ds.id(),
+            mem_type.id(),
+            mem_space.0,
+            file_space.0,
+            H5P_DEFAULT,
+            bytes.as_ptr() as *const c_void,
+        ))?;
+        Ok(())
+    })
+}
+
+/// A dataspace id, closed on drop.
+struct Space(hid_t);
+
+impl Drop for Space {
+    fn drop(&mut self) {
+        unsafe {
+            H5Sclose(self.0);
+        }
+    }
+}
+
+/// The HDF5 type of one element of a column (also the file type the column is created with).
+fn memory_type(t: ColumnType) -> Result<Datatype> {
+    Ok(match t {
+        ColumnType::F16 => Datatype::from_type::<f16>()?,
+        ColumnType::I16 => Datatype::from_type::<i16>()?,
+        ColumnType::U8 => Datatype::from_type::<u8>()?,
+        ColumnType::I64 => Datatype::from_type::<i64>()?,
+        ColumnType::F32 => Datatype::from_type::<f32>()?,
+        ColumnType::Str(n) => Datatype::from_descriptor(&TypeDescriptor::FixedUnicode(n))?,
+    })
+}
+
+/// File-access settings for every open: v1.10 format, no file locking, bigger chunk cache.
+fn file_access() -> Result<FileAccess> {
+    Ok(FileAccess::build()
+        .libver_bounds(LibraryVersion::V110, LibraryVersion::V110)
+        .file_locking(false)
+        .chunk_cache(CHUNK_CACHE_SLOTS, CHUNK_CACHE_BYTES, 1.0)
+        .finish()?)
+}
+
+/// Open read-write; with `clear_flags`, first clear the superblock's "open for write" status
+/// flags a killed writer left (what `h5clear -s` does, through the same property).
+fn open_rw(path: &Path, clear_flags: bool) -> Result<File> {
+    let fapl = file_access()?;
+    let name = CString::new(path.as_os_str().as_encoded_bytes())
+        .with_context(|| format!("{}: path contains a NUL byte", path.display()))?;
+    let prop = CString::new(CLEAR_STATUS_FLAGS).unwrap();
+    hdf5::sync::sync(|| unsafe {
+        if clear_flags {
+            let mut yes = true;
+            hdf5::h5check(H5Pset(
+                fapl.id(),
+                prop.as_ptr(),
+                &mut yes as *mut bool as *mut c_void,
+            ))?;
+        }
+        let id = hdf5::h5check(H5Fopen(name.as_ptr(), H5F_ACC_RDWR, fapl.id()))?;
+        hdf5::from_id::<File>(id)
+    })
+    .with_context(|| format!("{}: opening HDF5 file for appending", path.display()))
+}
+
+/// The attributes rewritten by [`Hdf5Sink::set_labels`] (fixed-length, see the module notes).
+const LABEL_ATTRS: [&str; 2] = ["labels_json", "label2id_json"];
+
+/// Read a string attribute, variable- or fixed-length (NUL padding removed).
+fn read_text_attr(file: &File, name: &str) -> Result<String> {
+    let attr = file.attr(name)?;
+    let dtype = attr.dtype()?;
+    match dtype.to_descriptor()? {
+        TypeDescriptor::VarLenUnicode => Ok(attr.read_scalar::<VarLenUnicode>()?.as_str().into()),
+        TypeDescriptor::FixedUnicode(n) | TypeDescriptor::FixedAscii(n) => {
+            let mut buf = vec![0u8; n];
+            hdf5::sync::sync(|| unsafe {
+                hdf5::h5check(H5Aread(
+                    attr.id(),
+                    dtype.id(),
+                    buf.as_mut_ptr() as *mut c_void,
+                ))
+            })?;
+            let end = buf.iter().position(|&b| b == 0).unwrap_or(n);
+            buf.truncate(end);
+            String::from_utf8(buf).with_context(|| format!("attribute {name} is not UTF-8"))
+        }
+        other => bail!("attribute {name} is {other:?}, not a string"),
+    }
+}
+
+/// Overwrite a fixed-length string attribute in place with `value`, NUL padded.
+fn write_fixed_text_attr(file: &File, name: &str, value: &str) -> Result<()> {
+    let attr = file.attr(name)?;
+    let dtype = attr.dtype()?;
+    let mut buf = value.as_bytes().to_vec();
+    if buf.len() > dtype.size() {
+        bail!(
+            "{} bytes do not fit attribute {name} ({} bytes)",
+            buf.len(),
+            dtype.size()
+        );
+    }
+    buf.resize(dtype.size(), 0);
+    hdf5::sync::sync(|| unsafe {
+        hdf5::h5check(H5Awrite(
+            attr.id(),
+            dtype.id(),
+            buf.as_ptr() as *const c_void,
+        ))
+    })?;
+    Ok(())
+}
+
+fn vlen(s: &str) -> Result<VarLenUnicode> {
+    s.parse::<VarLenUnicode>()
+        .map_err(|e| anyhow::anyhow!("attribute value {s:?}: {e}"))
+}
+
+fn partial_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".partial");
+    path.with_file_name(name)
+}
+
+/// Make a rename in `path`'s directory durable.
+fn sync_parent_dir(path: &Path) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("syncing directory {}", dir.display()))
+}

@@ -4,12 +4,13 @@
 
 pub mod hdf5;
 pub mod npy;
+pub mod set;
 
 use crate::config::{FeatureSettings, FeatureShape};
 use half::f16;
 use std::path::{Path, PathBuf};
 
-/// Version of the on-disk output layout (`schema_version` attribute, npy `layout.json`).
+/// Version of the on-disk output layout (`schema_version` attribute, npy `attributes.json`).
 /// See `migrations/`.
 pub const OUTPUT_SCHEMA_VERSION: u32 = 1;
 
@@ -45,17 +46,26 @@ impl OutputHeader {
         self.features.shape()
     }
     pub fn labels_json(&self) -> String {
-        serde_json::to_string(&self.labels).unwrap()
+        labels_json(&self.labels)
     }
     pub fn label2id_json(&self) -> String {
-        let map: serde_json::Map<String, serde_json::Value> = self
-            .labels
-            .iter()
-            .enumerate()
-            .map(|(i, n)| (n.clone(), serde_json::Value::from(i)))
-            .collect();
-        serde_json::Value::Object(map).to_string()
+        label2id_json(&self.labels)
     }
+}
+
+/// `labels_json`: the label names, position = id.
+pub fn labels_json(labels: &[String]) -> String {
+    serde_json::to_string(labels).unwrap()
+}
+
+/// `label2id_json`: name -> id.
+pub fn label2id_json(labels: &[String]) -> String {
+    let map: serde_json::Map<String, serde_json::Value> = labels
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.clone(), serde_json::Value::from(i)))
+        .collect();
+    serde_json::Value::Object(map).to_string()
 }
 
 /// One split's storage. Rows are appended, then made visible by [`SplitSink::commit`], which
@@ -80,6 +90,8 @@ pub trait SplitSink: Send {
     fn set_valid(&mut self, row: u64, valid: bool) -> anyhow::Result<()>;
     /// Relabel a row in place (a file moved between label folders).
     fn set_label(&mut self, row: u64, label: i16) -> anyhow::Result<()>;
+    /// Replace the label list attributes; `labels` extends the current list (ids never change).
+    fn set_labels(&mut self, labels: &[String]) -> anyhow::Result<()>;
     /// Make every appended row durable and visible: flush data, then `committed_rows`.
     fn commit(&mut self) -> anyhow::Result<()>;
     /// Close cleanly (after this, plain readers see exactly `committed_rows` rows).
@@ -93,4 +105,267 @@ pub fn hdf5_path(output: &Path, names: &crate::config::HdfNames, split: usize) -
 
 pub fn npy_dir(output: &Path, split: usize) -> PathBuf {
     output.join("npy").join(crate::config::SPLITS[split])
+}
+
+// The writers store the in-memory bytes of f16/i16/i64/f32 as the little-endian types the
+// files declare ('<f2', H5T_IEEE_F16LE-shaped, ...); a big-endian host would need byte swaps.
+#[cfg(not(target_endian = "little"))]
+compile_error!("ailhd's output writers assume a little-endian host");
+
+impl RowMeta {
+    /// Why this row cannot be stored with string columns of `path_bytes` (source_path) and
+    /// [`ID_BYTES`] (sensor_id, recording_id) bytes, if it cannot. Upstream quarantines such a
+    /// recording with this reason; the writers refuse the whole `append` otherwise.
+    pub fn check_fits(&self, path_bytes: usize) -> Result<(), String> {
+        let fields = [
+            (
+                "relative path",
+                &self.source_path,
+                path_bytes,
+                "outputs.path_bytes",
+            ),
+            (
+                "sensor id",
+                &self.sensor_id,
+                ID_BYTES,
+                "the fixed sensor_id width",
+            ),
+            (
+                "recording id",
+                &self.recording_id,
+                ID_BYTES,
+                "the fixed recording_id width",
+            ),
+        ];
+        for (what, value, width, limit) in fields {
+            if value.len() > width {
+                return Err(format!(
+                    "{what} is {} bytes in UTF-8, longer than {limit} ({width} bytes)",
+                    value.len()
+                ));
+            }
+            // NULL-padded strings end at the first NUL: one inside would truncate the value.
+            if value.contains('\0') {
+                return Err(format!("{what} contains a NUL character"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Element type of one output column, as both writers store it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColumnType {
+    F16,
+    I16,
+    U8,
+    I64,
+    F32,
+    /// Fixed-length UTF-8, NUL padded, of this many bytes.
+    Str(usize),
+}
+
+impl ColumnType {
+    pub fn size(self) -> usize {
+        match self {
+            ColumnType::F16 | ColumnType::I16 => 2,
+            ColumnType::U8 => 1,
+            ColumnType::I64 => 8,
+            ColumnType::F32 => 4,
+            ColumnType::Str(n) => n,
+        }
+    }
+}
+
+/// One column of the output (an HDF5 dataset, an npy file): its name, element type, and the
+/// shape of one row (empty for a scalar per row).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ColumnSpec {
+    pub name: &'static str,
+    pub dtype: ColumnType,
+    pub row_dims: Vec<usize>,
+}
+
+impl ColumnSpec {
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.dtype.size() * self.row_dims.iter().product::<usize>()
+    }
+}
+
+/// The row columns of an output with this header, in CONTRACT.md's order. `committed_rows`
+/// is not a row column and is not listed.
+pub fn columns(header: &OutputHeader) -> Vec<ColumnSpec> {
+    let shape = header.shape();
+    let col = |name, dtype, row_dims: &[usize]| ColumnSpec {
+        name,
+        dtype,
+        row_dims: row_dims.to_vec(),
+    };
+    let mut cols = vec![
+        col("segments_mel", ColumnType::F16, &shape.row_dims()),
+        col("labels", ColumnType::I16, &[]),
+        col("valid", ColumnType::U8, &[]),
+        col("blake3", ColumnType::U8, &[32]),
+        col("source_path", ColumnType::Str(header.path_bytes), &[]),
+        col("sensor_id", ColumnType::Str(ID_BYTES), &[]),
+        col("recording_id", ColumnType::Str(ID_BYTES), &[]),
+        col("recorded_at", ColumnType::I64, &[]),
+        col("gain_db", ColumnType::F32, &[]),
+    ];
+    if header.features.store_waveform {
+        cols.push(col(
+            "segments_waveform",
+            ColumnType::F32,
+            &[shape.num_long, shape.num_short, shape.short_window],
+        ));
+    }
+    cols
+}
+
+/// The bytes `append` writes to each column (same order as [`columns`]), checked against the
+/// header. Both writers store exactly these bytes, so the HDF5 file and the npy columns hold
+/// the same rows. The features are borrowed, not copied (they are most of the bytes).
+pub fn pack_rows<'a>(
+    header: &OutputHeader,
+    mel: &'a [f16],
+    waveform: Option<&'a [f32]>,
+    meta: &[RowMeta],
+) -> anyhow::Result<Vec<std::borrow::Cow<'a, [u8]>>> {
+    use anyhow::bail;
+    use std::borrow::Cow;
+    let shape = header.shape();
+    let n = meta.len();
+    if mel.len() != n * shape.row_len() {
+        bail!(
+            "append: {} mel values for {n} rows of {} values each",
+            mel.len(),
+            shape.row_len()
+        );
+    }
+    match (header.features.store_waveform, waveform) {
+        (true, Some(w)) if w.len() != n * shape.waveform_len() => bail!(
+            "append: {} waveform values for {n} rows of {} values each",
+            w.len(),
+            shape.waveform_len()
+        ),
+        (true, None) => bail!("append: features.store_waveform is on but no waveform was given"),
+        (false, Some(_)) => {
+            bail!("append: a waveform was given but features.store_waveform is off")
+        }
+        _ => {}
+    }
+    for m in meta {
+        if let Err(why) = m.check_fits(header.path_bytes) {
+            bail!("append: row for {:?} does not fit: {why}", m.source_path);
+        }
+    }
+    let fixed = |width: usize, get: &dyn Fn(&RowMeta) -> &str| -> Vec<u8> {
+        let mut out = vec![0u8; n * width];
+        for (row, m) in out.chunks_exact_mut(width).zip(meta) {
+            let s = get(m).as_bytes();
+            row[..s.len()].copy_from_slice(s);
+        }
+        out
+    };
+    let mut cols: Vec<Cow<'a, [u8]>> = vec![
+        Cow::Borrowed(bytemuck::cast_slice(mel)),
+        Cow::Owned(meta.iter().flat_map(|m| m.label.to_le_bytes()).collect()),
+        Cow::Owned(vec![1u8; n]),
+        Cow::Owned(meta.iter().flat_map(|m| m.blake3).collect()),
+        Cow::Owned(fixed(header.path_bytes, &|m| &m.source_path)),
+        Cow::Owned(fixed(ID_BYTES, &|m| &m.sensor_id)),
+        Cow::Owned(fixed(ID_BYTES, &|m| &m.recording_id)),
+        Cow::Owned(
+            meta.iter()
+                .flat_map(|m| m.recorded_at.to_le_bytes())
+                .collect(),
+        ),
+        Cow::Owned(meta.iter().flat_map(|m| m.gain_db.to_le_bytes()).collect()),
+    ];
+    if let Some(w) = waveform {
+        cols.push(Cow::Borrowed(bytemuck::cast_slice(w)));
+    }
+    Ok(cols)
+}
+
+/// The file attributes (HDF5) / `attributes.json` entries (npy) of a new output, as
+/// (name, value) pairs; `schema_version` is stored as a number, everything else as text.
+pub fn header_attributes(header: &OutputHeader) -> Vec<(&'static str, String)> {
+    let created = time::OffsetDateTime::now_utc()
+        .format(time::macros::format_description!(
+            "[year]-[month]-[day]T[hour]:[minute]:[second]Z"
+        ))
+        .expect("UTC timestamp formats");
+    vec![
+        ("labels_json", header.labels_json()),
+        ("label2id_json", header.label2id_json()),
+        ("config_json", header.features.to_json()),
+        ("created_at_utc", created),
+        ("ailhd_version", env!("CARGO_PKG_VERSION").to_string()),
+        ("feature_fingerprint", header.features.fingerprint()),
+    ]
+}
+
+/// The message of every "this output cannot be appended to" error: what differs, and what to do.
+pub fn incompatible(path: &Path, what: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::anyhow!(
+        "{}: {what}; this output was made with other settings or another ailhd layout and cannot \
+         be appended to: run `ailhd rebuild` to regenerate the outputs",
+        path.display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(store_waveform: bool) -> OutputHeader {
+        OutputHeader {
+            labels: vec!["A".into(), "B".into()],
+            features: FeatureSettings {
+                store_waveform,
+                ..FeatureSettings::default()
+            },
+            path_bytes: 16,
+        }
+    }
+
+    fn meta(path: &str) -> RowMeta {
+        RowMeta {
+            label: 1,
+            blake3: [7; 32],
+            source_path: path.into(),
+            sensor_id: "S1".into(),
+            recording_id: String::new(),
+            recorded_at: -1,
+            gain_db: f32::NAN,
+        }
+    }
+
+    #[test]
+    fn rows_that_do_not_fit_say_why() {
+        assert!(meta("A/ü.wav").check_fits(16).is_ok());
+        let e = meta("A/abcdefghijklmnop.wav").check_fits(16).unwrap_err();
+        assert!(e.contains("outputs.path_bytes"), "{e}");
+        assert!(meta("A/\0.wav").check_fits(16).unwrap_err().contains("NUL"));
+    }
+
+    #[test]
+    fn packed_columns_follow_the_layout() {
+        let h = header(false);
+        let n = h.shape().row_len();
+        let mel = vec![f16::from_f32(1.5); 2 * n];
+        let cols = pack_rows(&h, &mel, None, &[meta("A/x.wav"), meta("B/ü")]).unwrap();
+        let specs = columns(&h);
+        assert_eq!(cols.len(), specs.len());
+        for (c, s) in cols.iter().zip(&specs) {
+            assert_eq!(c.len(), 2 * s.row_bytes(), "{}", s.name);
+        }
+        assert_eq!(&cols[4][16..20], "B/ü".as_bytes());
+        assert!(cols[4][20..32].iter().all(|&b| b == 0), "NUL padded");
+        assert!(pack_rows(&h, &mel[1..], None, &[meta("a"), meta("b")]).is_err());
+        assert!(pack_rows(&h, &mel, Some(&[0.0]), &[meta("a"), meta("b")]).is_err());
+        assert!(pack_rows(&header(true), &mel, None, &[meta("a"), meta("b")]).is_err());
+    }
 }

@@ -1,1 +1,529 @@
-//! npy column files (stub, being written).
+//! npy column files: `npy/<split>/<column>.npy`, one per HDF5 dataset, plus `attributes.json`
+//! (the HDF5 file attributes and `committed_rows`). `numpy.load(path, mmap_mode="r")` opens
+//! each file as is, and its header shape is the committed row count (CONTRACT.md, "Outputs").
+//!
+//! How a file grows without moving its data: the npy v1.0 header is written once with room for
+//! a 20-digit row count (padded with spaces to a multiple of 64 bytes, as numpy pads), rows are
+//! appended after the data with positional writes, and a commit `fdatasync`s the data before
+//! rewriting the shape in the header in place (through a memory map of the header). A crash
+//! therefore leaves every header describing complete rows; reopening truncates what lies past
+//! the smallest header shape.
+
+use super::{
+    columns, header_attributes, incompatible, label2id_json, labels_json, pack_rows, ColumnSpec,
+    ColumnType, OutputHeader, RowMeta, SplitSink, OUTPUT_SCHEMA_VERSION,
+};
+use anyhow::{bail, Context, Result};
+use half::f16;
+use memmap2::{MmapMut, MmapOptions};
+use serde_json::{Map, Value};
+use std::fs::{File, OpenOptions};
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+const MAGIC: &[u8] = b"\x93NUMPY";
+const ATTRIBUTES: &str = "attributes.json";
+
+/// One split's npy columns, open for appending.
+pub struct NpySink {
+    dir: PathBuf,
+    header: OutputHeader,
+    cols: Vec<NpyColumn>,
+    len: u64,
+    committed: u64,
+    /// `attributes.json` without `committed_rows` (added when written).
+    attrs: Map<String, Value>,
+    labels: Vec<String>,
+    /// Rows appended or cells edited since the last commit.
+    dirty: bool,
+    closed: bool,
+}
+
+struct NpyColumn {
+    spec: ColumnSpec,
+    path: PathBuf,
+    file: File,
+    /// Bytes before the first row; fixed for the life of the file.
+    header_len: usize,
+    /// The header region, rewritten in place by commits. Never remapped: the header never moves.
+    header_map: MmapMut,
+    /// Whole-file map for in-place cell edits (`set_valid`, `set_label`), made on first use and
+    /// remapped when the edited row lies past its end (the file grows by positional writes).
+    edit_map: Option<MmapMut>,
+}
+
+impl NpySink {
+    /// Create `dir` (an error if it already holds an output) with an empty file per column and
+    /// `attributes.json`. Built as `<dir>.partial` and renamed into place when complete.
+    pub fn create(dir: &Path, header: &OutputHeader) -> Result<Self> {
+        if dir.join(ATTRIBUTES).exists() {
+            bail!(
+                "{}: already holds an npy output; not overwriting it",
+                dir.display()
+            );
+        }
+        let partial = partial_path(dir);
+        if partial.exists() {
+            log::info!(
+                "removing {} left by an interrupted create",
+                partial.display()
+            );
+            std::fs::remove_dir_all(&partial)
+                .with_context(|| format!("removing {}", partial.display()))?;
+        }
+        std::fs::create_dir_all(&partial)
+            .with_context(|| format!("creating {}", partial.display()))?;
+        for spec in columns(header) {
+            let path = partial.join(format!("{}.npy", spec.name));
+            let file = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+                .with_context(|| format!("creating {}", path.display()))?;
+            let header_len = header_len_for(&spec);
+            file.write_all_at(&npy_header(&spec, 0, header_len), 0)
+                .and_then(|()| file.sync_all())
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        let mut attrs = Map::new();
+        for (name, value) in header_attributes(header) {
+            attrs.insert(name.to_string(), Value::from(value));
+        }
+        attrs.insert("schema_version".into(), Value::from(OUTPUT_SCHEMA_VERSION));
+        write_attributes(&partial, &attrs, 0)?;
+        if dir.exists() {
+            // An empty directory (nothing above found attributes.json): replace it.
+            std::fs::remove_dir(dir).with_context(|| {
+                format!(
+                    "{}: exists and is not an npy output; move it away",
+                    dir.display()
+                )
+            })?;
+        }
+        std::fs::rename(&partial, dir)
+            .with_context(|| format!("renaming {} into place", partial.display()))?;
+        sync_dir(dir.parent().unwrap_or(Path::new(".")))?;
+        Self::open_append(dir, header, None)
+    }
+
+    /// Reopen `dir` for appending: check `schema_version` and `feature_fingerprint` against
+    /// `header` (an error that says to run `ailhd rebuild` if they differ) and each column's
+    /// header against the layout, then cut every column back to the committed rows (the
+    /// smallest header shape; rows past it are a crashed writer's partial batch).
+    ///
+    /// `keep`: as for [`super::hdf5::Hdf5Sink::open_append`], rows past it are reclaimed too.
+    pub fn open_append(dir: &Path, header: &OutputHeader, keep: Option<u64>) -> Result<Self> {
+        let attrs_path = dir.join(ATTRIBUTES);
+        let text = std::fs::read_to_string(&attrs_path)
+            .with_context(|| format!("reading {}", attrs_path.display()))?;
+        let mut attrs: Map<String, Value> = serde_json::from_str(&text)
+            .map_err(|e| incompatible(&attrs_path, format_args!("not a JSON object ({e})")))?;
+        let schema = attrs.get("schema_version").and_then(Value::as_u64);
+        if schema != Some(OUTPUT_SCHEMA_VERSION as u64) {
+            return Err(incompatible(
+                &attrs_path,
+                format_args!(
+                    "output layout version {schema:?}, this ailhd writes {OUTPUT_SCHEMA_VERSION}"
+                ),
+            ));
+        }
+        let fingerprint = attrs.get("feature_fingerprint").and_then(Value::as_str);
+        if fingerprint != Some(header.features.fingerprint().as_str()) {
+            return Err(incompatible(
+                &attrs_path,
+                format_args!(
+                    "its feature settings (fingerprint {}) differ from the configured ones \
+                     (fingerprint {}, {})",
+                    fingerprint.unwrap_or("missing"),
+                    header.features.fingerprint(),
+                    header.features.to_json()
+                ),
+            ));
+        }
+        let labels: Vec<String> = attrs
+            .get("labels_json")
+            .and_then(Value::as_str)
+            .and_then(|s| serde_json::from_str(s).ok())
+            .with_context(|| {
+                format!(
+                    "{}: labels_json is missing or not a JSON list",
+                    attrs_path.display()
+                )
+            })?;
+        attrs.remove("committed_rows");
+
+        let mut cols = Vec::new();
+        let mut shapes = Vec::new();
+        for spec in columns(header) {
+            let path = dir.join(format!("{}.npy", spec.name));
+            let mut file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            let (header_len, rows) = read_npy_header(&mut file, &spec, &path)?;
+            let header_map = unsafe { MmapOptions::new().len(header_len).map_mut(&file) }
+                .with_context(|| format!("mapping the header of {}", path.display()))?;
+            shapes.push(rows);
+            cols.push(NpyColumn {
+                spec,
+                path,
+                file,
+                header_len,
+                header_map,
+                edit_map: None,
+            });
+        }
+        let on_disk = shapes.iter().copied().min().unwrap_or(0);
+        let committed = keep.map_or(on_disk, |k| k.min(on_disk));
+        let mut sink = NpySink {
+            dir: dir.to_path_buf(),
+            header: header.clone(),
+            cols,
+            len: committed,
+            committed,
+            attrs,
+            labels,
+            dirty: false,
+            closed: false,
+        };
+        for c in &mut sink.cols {
+            let size = c.file.metadata()?.len();
+            let want = c.data_offset(committed);
+            if size < want {
+                bail!(
+                    "{}: {size} bytes, too short for its {committed} committed rows; the output \
+                     is damaged: run `ailhd rebuild`",
+                    c.path.display()
+                );
+            }
+            if size > want {
+                log::info!(
+                    "{}: reclaiming {} bytes of uncommitted rows",
+                    c.path.display(),
+                    size - want
+                );
+            }
+        }
+        sink.cut_to(committed)?;
+        Ok(sink)
+    }
+
+    /// Replace `labels_json` / `label2id_json` in `attributes.json` (labels appended under
+    /// `labels.unknown = "append"`); `labels` must extend the current list.
+    pub fn set_labels(&mut self, labels: &[String]) -> Result<()> {
+        if !labels.starts_with(&self.labels) {
+            bail!(
+                "{}: new label list {labels:?} does not extend the current {:?}: label ids are \
+                 never renumbered",
+                self.dir.display(),
+                self.labels
+            );
+        }
+        self.attrs
+            .insert("labels_json".into(), Value::from(labels_json(labels)));
+        self.attrs
+            .insert("label2id_json".into(), Value::from(label2id_json(labels)));
+        write_attributes(&self.dir, &self.attrs, self.committed)?;
+        self.labels = labels.to_vec();
+        Ok(())
+    }
+
+    /// The label names in `attributes.json`, which may extend the configured list.
+    pub fn labels(&self) -> &[String] {
+        &self.labels
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Make `rows` the length of every column, durably: truncate the data, rewrite the headers
+    /// and `attributes.json`.
+    fn cut_to(&mut self, rows: u64) -> Result<()> {
+        for c in &mut self.cols {
+            c.edit_map = None;
+            c.file
+                .set_len(c.data_offset(rows))
+                .and_then(|()| c.file.sync_all())
+                .with_context(|| format!("truncating {}", c.path.display()))?;
+            c.write_shape(rows)?;
+        }
+        write_attributes(&self.dir, &self.attrs, rows)?;
+        self.len = rows;
+        self.committed = rows;
+        Ok(())
+    }
+
+    fn write_cell(&mut self, name: &str, row: u64, bytes: &[u8]) -> Result<()> {
+        if row >= self.len {
+            bail!(
+                "{}: row {row} does not exist ({} rows)",
+                self.dir.display(),
+                self.len
+            );
+        }
+        let c = self
+            .cols
+            .iter_mut()
+            .find(|c| c.spec.name == name)
+            .expect("every layout has this column");
+        let at = c.data_offset(row) as usize;
+        let end = at + bytes.len();
+        if c.edit_map.as_ref().is_none_or(|m| m.len() < end) {
+            // The row was appended after the map was made (or there is none yet).
+            c.edit_map = Some(
+                unsafe { MmapOptions::new().map_mut(&c.file) }
+                    .with_context(|| format!("mapping {}", c.path.display()))?,
+            );
+        }
+        c.edit_map.as_mut().expect("just made")[at..end].copy_from_slice(bytes);
+        self.dirty = true;
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        if self.len > self.committed {
+            log::warn!(
+                "{}: closing with {} uncommitted rows; dropping them",
+                self.dir.display(),
+                self.len - self.committed
+            );
+        }
+        // Cell edits are in place (not transactional): make them durable too.
+        for c in &mut self.cols {
+            if let Some(m) = &c.edit_map {
+                m.flush()
+                    .with_context(|| format!("flushing {}", c.path.display()))?;
+            }
+        }
+        let committed = self.committed;
+        self.cut_to(committed)
+    }
+}
+
+impl NpyColumn {
+    fn data_offset(&self, row: u64) -> u64 {
+        self.header_len as u64 + row * self.spec.row_bytes() as u64
+    }
+
+    /// Rewrite the shape in the header, in place, and wait for it to reach the disk.
+    fn write_shape(&mut self, rows: u64) -> Result<()> {
+        self.header_map
+            .copy_from_slice(&npy_header(&self.spec, rows, self.header_len));
+        self.header_map
+            .flush()
+            .with_context(|| format!("writing the header of {}", self.path.display()))
+    }
+}
+
+impl SplitSink for NpySink {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn committed_rows(&self) -> u64 {
+        self.committed
+    }
+
+    fn append(&mut self, mel: &[f16], waveform: Option<&[f32]>, meta: &[RowMeta]) -> Result<u64> {
+        let first = self.len;
+        let bytes = pack_rows(&self.header, mel, waveform, meta)?;
+        if meta.is_empty() {
+            return Ok(first);
+        }
+        // Positional writes past the committed rows: a failed append leaves bytes that the next
+        // append overwrites, a commit never covers, and a reopen truncates.
+        for (c, b) in self.cols.iter().zip(&bytes) {
+            c.file
+                .write_all_at(b, c.data_offset(first))
+                .with_context(|| {
+                    format!("appending {} rows to {}", meta.len(), c.path.display())
+                })?;
+        }
+        self.len = first + meta.len() as u64;
+        self.dirty = true;
+        Ok(first)
+    }
+
+    fn set_valid(&mut self, row: u64, valid: bool) -> Result<()> {
+        self.write_cell("valid", row, &[valid as u8])
+    }
+
+    fn set_label(&mut self, row: u64, label: i16) -> Result<()> {
+        self.write_cell("labels", row, &label.to_le_bytes())
+    }
+
+    fn set_labels(&mut self, labels: &[String]) -> Result<()> {
+        NpySink::set_labels(self, labels)
+    }
+
+    fn commit(&mut self) -> Result<()> {
+        if !self.dirty {
+            return Ok(());
+        }
+        // Data (appended rows and in-place edits) durable in every column before any header
+        // says it is there.
+        for c in &self.cols {
+            if let Some(m) = &c.edit_map {
+                m.flush()
+                    .with_context(|| format!("flushing {}", c.path.display()))?;
+            }
+            c.file
+                .sync_data()
+                .with_context(|| format!("syncing {}", c.path.display()))?;
+        }
+        let rows = self.len;
+        for c in &mut self.cols {
+            c.write_shape(rows)?;
+        }
+        write_attributes(&self.dir, &self.attrs, rows)?;
+        self.committed = rows;
+        self.dirty = false;
+        Ok(())
+    }
+
+    fn close(mut self: Box<Self>) -> Result<()> {
+        self.finish()
+    }
+}
+
+impl Drop for NpySink {
+    fn drop(&mut self) {
+        if let Err(e) = self.finish() {
+            log::error!("{}: closing: {e:#}", self.dir.display());
+        }
+    }
+}
+
+fn descr(t: ColumnType) -> String {
+    match t {
+        ColumnType::F16 => "<f2".into(),
+        ColumnType::I16 => "<i2".into(),
+        ColumnType::U8 => "|u1".into(),
+        ColumnType::I64 => "<i8".into(),
+        ColumnType::F32 => "<f4".into(),
+        ColumnType::Str(n) => format!("|S{n}"),
+    }
+}
+
+/// The header dictionary numpy writes for `rows` rows of `spec`.
+fn npy_dict(spec: &ColumnSpec, rows: u64) -> String {
+    let mut shape = rows.to_string();
+    for d in &spec.row_dims {
+        shape.push_str(&format!(", {d}"));
+    }
+    if spec.row_dims.is_empty() {
+        shape.push(',');
+    }
+    format!(
+        "{{'descr': '{}', 'fortran_order': False, 'shape': ({shape}), }}",
+        descr(spec.dtype)
+    )
+}
+
+/// Header bytes (magic, version 1.0, length, dictionary, space padding, newline) for the
+/// largest possible row count, rounded up to a multiple of 64 as numpy aligns its data.
+fn header_len_for(spec: &ColumnSpec) -> usize {
+    (MAGIC.len() + 4 + npy_dict(spec, u64::MAX).len() + 1).div_ceil(64) * 64
+}
+
+fn npy_header(spec: &ColumnSpec, rows: u64, header_len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(header_len);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&[1, 0]);
+    out.extend_from_slice(&((header_len - 10) as u16).to_le_bytes());
+    out.extend_from_slice(npy_dict(spec, rows).as_bytes());
+    out.resize(header_len - 1, b' ');
+    out.push(b'\n');
+    out
+}
+
+/// Read and check a column's npy header: returns (header length, row count).
+fn read_npy_header(file: &mut File, spec: &ColumnSpec, path: &Path) -> Result<(usize, u64)> {
+    let mut pre = [0u8; 10];
+    file.read_exact(&mut pre)
+        .with_context(|| format!("reading {}", path.display()))?;
+    if &pre[..6] != MAGIC || pre[6..8] != [1, 0] {
+        return Err(incompatible(path, "not an npy version 1.0 file"));
+    }
+    let header_len = 10 + u16::from_le_bytes([pre[8], pre[9]]) as usize;
+    let mut dict = vec![0u8; header_len - 10];
+    file.read_exact(&mut dict)
+        .with_context(|| format!("reading {}", path.display()))?;
+    let dict = String::from_utf8_lossy(&dict);
+    let dict = dict.trim_end();
+    let rows = dict
+        .split_once("'shape': (")
+        .and_then(|(_, rest)| rest.split([',', ')']).next())
+        .and_then(|n| n.trim().parse::<u64>().ok());
+    match rows {
+        Some(rows) if dict == npy_dict(spec, rows) && header_len >= header_len_for(spec) => {
+            Ok((header_len, rows))
+        }
+        _ => Err(incompatible(
+            path,
+            format_args!(
+                "header {dict:?} does not describe rows of {} {:?}",
+                descr(spec.dtype),
+                spec.row_dims
+            ),
+        )),
+    }
+}
+
+/// Write `attributes.json` (with `committed_rows`) atomically: temp file, fsync, rename.
+fn write_attributes(dir: &Path, attrs: &Map<String, Value>, committed: u64) -> Result<()> {
+    let mut all = attrs.clone();
+    all.insert("committed_rows".into(), Value::from(committed));
+    let text = serde_json::to_string_pretty(&Value::Object(all)).expect("JSON serialises");
+    let tmp = dir.join(format!("{ATTRIBUTES}.tmp"));
+    let path = dir.join(ATTRIBUTES);
+    std::fs::write(&tmp, text.as_bytes())
+        .and_then(|()| File::open(&tmp)?.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .with_context(|| format!("writing {}", path.display()))?;
+    sync_dir(dir)
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("syncing directory {}", dir.display()))
+}
+
+fn partial_path(dir: &Path) -> PathBuf {
+    let mut name = dir.file_name().unwrap_or_default().to_os_string();
+    name.push(".partial");
+    dir.with_file_name(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_have_room_for_any_row_count() {
+        let header = OutputHeader {
+            labels: vec![],
+            features: Default::default(),
+            path_bytes: 4096,
+        };
+        for spec in columns(&header) {
+            let len = header_len_for(&spec);
+            assert_eq!(len % 64, 0);
+            let h = npy_header(&spec, u64::MAX, len);
+            assert_eq!(h.len(), len);
+            assert_eq!(h[len - 1], b'\n');
+        }
+        let labels = &columns(&header)[1];
+        let h = npy_header(labels, 12, 128);
+        assert!(String::from_utf8_lossy(&h)
+            .contains("{'descr': '<i2', 'fortran_order': False, 'shape': (12,), }"));
+    }
+}

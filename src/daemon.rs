@@ -1,0 +1,491 @@
+//! `ailhd run`: the ingestion service. Two threads of control with one job each:
+//!
+//! - the event loop (tokio) follows the tree (watch -> settle), signals (SIGTERM drains and
+//!   exits, SIGHUP reloads), timers (safety rescan, systemd watchdog) and tells systemd how it
+//!   is doing (READY, STATUS, STOPPING);
+//! - the ingest worker (a thread owning the [`Ingestor`]: manifest, outputs, warm featuriser)
+//!   takes complete files in micro-batches and commits them.
+//!
+//! Shutdown comes in as a future, so tests stop the service the way systemd does.
+
+use crate::config::Settings;
+use crate::ingest::{BatchOutcome, Ingestor, Op, Reconciliation};
+use crate::lock::WriterLock;
+use crate::manifest::now_ms;
+use crate::settle::{Probe, Settled, Settler};
+use crate::status::{self, ServiceStatus};
+use crate::watch::{WatchEvent, Watcher};
+use anyhow::Context;
+use sd_notify::NotifyState;
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Entry point of `ailhd run`: a runtime, the service, and the process signals as shutdown.
+pub fn run(settings: Settings, config_path: Option<PathBuf>) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the event loop")?;
+    rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let shutdown = async move {
+            tokio::select! {
+                _ = term.recv() => log::info!("SIGTERM: draining and stopping"),
+                _ = tokio::signal::ctrl_c() => log::info!("interrupted: draining and stopping"),
+            }
+        };
+        serve(settings, config_path, shutdown).await
+    })
+}
+
+/// What the worker is asked to do.
+enum Work {
+    Op(Op),
+    /// Compare the whole tree with the manifest (start-up, overflow, periodic).
+    Rescan,
+    /// A file that never became complete.
+    Incomplete {
+        rel: String,
+        reason: String,
+    },
+    Reload(Box<Settings>),
+}
+
+/// What the worker tells the event loop.
+enum Report {
+    Reconciled(Reconciliation),
+    Batch(BatchOutcome),
+}
+
+/// State shared with the worker for `status` and the watchdog.
+#[derive(Default)]
+struct Shared {
+    /// Files touched and not yet complete (the settle stage), for the queue depth.
+    settling: AtomicUsize,
+    /// Complete files waiting for the worker.
+    queued: AtomicUsize,
+    /// Last time the worker was seen making progress or idle (ms since the epoch).
+    alive_ms: AtomicI64,
+}
+
+pub async fn serve(
+    settings: Settings,
+    config_path: Option<PathBuf>,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let _lock = WriterLock::acquire(&settings.paths.state, "run")?;
+    let ingestor = Ingestor::open(&settings, settings.ingest.device)?;
+    let device = ingestor.device();
+    let root = std::path::absolute(&settings.paths.recordings)?;
+
+    // Watch first, then scan: nothing falls between the two.
+    let (watch_tx, mut watch_rx) = mpsc::unbounded_channel::<WatchEvent>();
+    let watcher = Watcher::start(&root, watch_tx)?;
+
+    let shared = Arc::new(Shared::default());
+    shared.alive_ms.store(now_ms(), Ordering::Relaxed);
+    let (work_tx, work_rx) = crossbeam_channel::unbounded::<Work>();
+    let (report_tx, mut report_rx) = mpsc::unbounded_channel::<Report>();
+    let worker = {
+        let shared = shared.clone();
+        let settings = settings.clone();
+        std::thread::Builder::new()
+            .name("ailhd-ingest".into())
+            .spawn(move || worker_loop(ingestor, settings, work_rx, report_tx, shared))?
+    };
+    let send = |w: Work| {
+        if matches!(w, Work::Op(Op::Ingest { .. })) {
+            shared.queued.fetch_add(1, Ordering::Relaxed);
+        }
+        let _ = work_tx.send(w);
+    };
+    send(Work::Rescan);
+
+    let mut settings = settings;
+    let mut settler = Settler::new(
+        Duration::from_millis(settings.ingest.settle_ms),
+        Duration::from_secs(settings.ingest.quarantine_after_s),
+    );
+    let mut strong_at: HashMap<PathBuf, Instant> = HashMap::new();
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    let watchdog = sd_notify::watchdog_enabled();
+    let mut ingested: u64 = 0;
+    log::info!(
+        "watching {} on {device}; outputs in {}",
+        root.display(),
+        settings.paths.output.display()
+    );
+    let _ = sd_notify::notify(&[
+        NotifyState::Ready,
+        NotifyState::Status(&format!("watching, on {device}")),
+    ]);
+
+    tokio::pin!(shutdown);
+    let mut next_rescan = rescan_deadline(&settings);
+    let mut watchdog_tick =
+        tokio::time::interval(watchdog.map(|d| d / 2).unwrap_or(Duration::from_secs(3600)));
+    loop {
+        let settle_at = settler.next_deadline();
+        tokio::select! {
+            _ = &mut shutdown => break,
+            _ = hup.recv() => {
+                match Settings::load(config_path.as_deref()) {
+                    Ok(new) => {
+                        if new.paths != settings.paths || new.features != settings.features || new.labels != settings.labels
+                            || new.splits != settings.splits || new.outputs != settings.outputs {
+                            log::warn!("reload: only [ingest] settings change live; paths, labels, splits, features and outputs need a restart (and features a rebuild)");
+                        }
+                        settler = Settler::new(Duration::from_millis(new.ingest.settle_ms), Duration::from_secs(new.ingest.quarantine_after_s));
+                        send(Work::Rescan); // what was settling is picked up again by the rescan
+                        settings.ingest = new.ingest.clone();
+                        next_rescan = rescan_deadline(&settings);
+                        send(Work::Reload(Box::new(new)));
+                        log::info!("configuration reloaded");
+                    }
+                    Err(e) => log::error!("reload refused, keeping the running configuration: {e}"),
+                }
+            }
+            ev = watch_rx.recv() => {
+                let Some(ev) = ev else { anyhow::bail!("the watcher stopped unexpectedly") };
+                let now = Instant::now();
+                match ev {
+                    WatchEvent::Touched { path, kind } => {
+                        if kind.is_strong() {
+                            strong_at.insert(path.clone(), now);
+                        }
+                        settler.note(&path, kind.is_strong(), now);
+                    }
+                    WatchEvent::Removed(path) => {
+                        settler.forget(&path);
+                        strong_at.remove(&path);
+                        if let Some(rel) = rel_str(&path) {
+                            send(Work::Op(Op::Remove { rel }));
+                        }
+                    }
+                    WatchEvent::RemovedDir(path) => {
+                        if let Some(rel) = rel_str(&path) {
+                            send(Work::Op(Op::RemoveDir { rel }));
+                        }
+                    }
+                    WatchEvent::Rescan { reason } => {
+                        log::warn!("rescanning the whole tree: {reason}");
+                        send(Work::Rescan);
+                    }
+                }
+            }
+            _ = sleep_until(settle_at) => {
+                let now = Instant::now();
+                for decision in settler.poll(now, |p| probe(&root, p)) {
+                    match decision {
+                        Settled::Ready { path, .. } => {
+                            let seen = strong_at.remove(&path).unwrap_or(now);
+                            if let Some(rel) = rel_str(&path) {
+                                send(Work::Op(Op::Ingest { rel, seen }));
+                            }
+                        }
+                        Settled::Quarantine { path, reason } => {
+                            strong_at.remove(&path);
+                            if let Some(rel) = rel_str(&path) {
+                                send(Work::Incomplete { rel, reason });
+                            }
+                        }
+                    }
+                }
+            }
+            report = report_rx.recv() => {
+                match report {
+                    Some(Report::Reconciled(r)) => {
+                        let now = Instant::now();
+                        if !r.changed.is_empty() || !r.removed.is_empty() {
+                            log::info!("rescan: {} new or changed, {} gone", r.changed.len(), r.removed.len());
+                        }
+                        for rel in r.changed {
+                            settler.note(Path::new(&rel), false, now);
+                        }
+                        for rel in r.removed {
+                            send(Work::Op(Op::Remove { rel }));
+                        }
+                    }
+                    Some(Report::Batch(outcome)) => {
+                        ingested += (outcome.new_rows + outcome.attached) as u64;
+                    }
+                    None => anyhow::bail!("the ingest worker stopped: see the error above"),
+                }
+            }
+            _ = sleep_until(next_rescan) => {
+                send(Work::Rescan);
+                next_rescan = rescan_deadline(&settings);
+            }
+            _ = watchdog_tick.tick(), if watchdog.is_some() => {
+                // Fed only while the worker makes progress (or waits idle).
+                let age = now_ms() - shared.alive_ms.load(Ordering::Relaxed);
+                if (age as u128) < watchdog.unwrap().as_millis() {
+                    let _ = sd_notify::notify(&[NotifyState::Watchdog]);
+                } else {
+                    log::error!("ingest worker has made no progress for {age} ms; not feeding the watchdog");
+                }
+            }
+        }
+        shared.settling.store(settler.len(), Ordering::Relaxed);
+        let queue = settler.len() + shared.queued.load(Ordering::Relaxed);
+        let _ = sd_notify::notify(&[NotifyState::Status(&format!(
+            "queue {queue}, ingested {ingested}, on {device}"
+        ))]);
+    }
+
+    let _ = sd_notify::notify(&[NotifyState::Stopping]);
+    watcher.stop();
+    drop(work_tx);
+    // The worker drains what is queued, commits, closes the outputs.
+    let joined = tokio::task::spawn_blocking(move || worker.join()).await?;
+    match joined {
+        Ok(result) => result,
+        Err(_) => anyhow::bail!("the ingest worker panicked"),
+    }
+}
+
+fn rescan_deadline(settings: &Settings) -> Option<Instant> {
+    (settings.ingest.rescan_interval_s > 0)
+        .then(|| Instant::now() + Duration::from_secs(settings.ingest.rescan_interval_s))
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn rel_str(path: &Path) -> Option<String> {
+    crate::identity::rel_string(path).ok()
+}
+
+/// What the settle stage needs to know about a file now: size, mtime, and whether its header
+/// agrees with its size.
+fn probe(root: &Path, rel: &Path) -> Probe {
+    let path = root.join(rel);
+    let Ok(meta) = std::fs::metadata(&path) else {
+        return Probe::Missing;
+    };
+    let header = match std::fs::read(&path) {
+        Ok(bytes) => crate::decode::parse_header(&bytes)
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Probe::Missing,
+        Err(e) => Err(format!("cannot read: {e}")),
+    };
+    Probe::Present {
+        size: meta.len(),
+        mtime: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
+        header,
+    }
+}
+
+/// Recent completion-to-commit latencies and errors, for `status`.
+struct Recent {
+    latencies: VecDeque<f64>,
+    errors: VecDeque<String>,
+}
+
+impl Recent {
+    const KEEP: usize = 2000;
+    fn push_latency(&mut self, ms: f64) {
+        if self.latencies.len() == Self::KEEP {
+            self.latencies.pop_front();
+        }
+        self.latencies.push_back(ms);
+    }
+    fn push_error(&mut self, e: String) {
+        if self.errors.len() == 10 {
+            self.errors.pop_front();
+        }
+        self.errors.push_back(e);
+    }
+    fn percentile(&self, q: f64) -> Option<f64> {
+        if self.latencies.is_empty() {
+            return None;
+        }
+        let mut v: Vec<f64> = self.latencies.iter().copied().collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        Some(v[((v.len() - 1) as f64 * q).round() as usize])
+    }
+}
+
+fn worker_loop(
+    mut ingestor: Ingestor,
+    mut settings: Settings,
+    rx: crossbeam_channel::Receiver<Work>,
+    report: mpsc::UnboundedSender<Report>,
+    shared: Arc<Shared>,
+) -> anyhow::Result<()> {
+    let mut recent = Recent {
+        latencies: VecDeque::new(),
+        errors: VecDeque::new(),
+    };
+    let mut ingested = 0u64;
+    let mut last_snapshot = Instant::now() - Duration::from_secs(3600);
+    let mut snapshot_cost = Duration::ZERO;
+    let mut dirty = true;
+    let mut deferred: VecDeque<Work> = VecDeque::new();
+    loop {
+        shared.alive_ms.store(now_ms(), Ordering::Relaxed);
+        let first = match deferred.pop_front() {
+            Some(w) => w,
+            None => match rx.recv_timeout(Duration::from_secs(1)) {
+                Ok(w) => w,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    // Idle: a good moment for the status snapshot.
+                    if dirty {
+                        write_snapshot(&ingestor, &settings, &shared, &recent, ingested);
+                        dirty = false;
+                    }
+                    continue;
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+            },
+        };
+        match first {
+            Work::Op(op) => {
+                // Micro-batch: everything already queued, up to max_batch_files; while files are
+                // still settling, wait up to max_batch_latency_ms after the first for more.
+                let started = Instant::now();
+                let deadline =
+                    started + Duration::from_millis(settings.ingest.max_batch_latency_ms);
+                let mut ops = vec![op];
+                while ops.len() < settings.ingest.max_batch_files {
+                    let next = match rx.try_recv() {
+                        Ok(w) => Some(w),
+                        Err(_)
+                            if shared.settling.load(Ordering::Relaxed) > 0
+                                && Instant::now() < deadline =>
+                        {
+                            rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                                .ok()
+                        }
+                        Err(_) => None,
+                    };
+                    match next {
+                        Some(Work::Op(op)) => ops.push(op),
+                        Some(other) => {
+                            deferred.push_back(other);
+                            break;
+                        }
+                        None => break,
+                    }
+                }
+                let n_ingest = ops
+                    .iter()
+                    .filter(|o| matches!(o, Op::Ingest { .. }))
+                    .count();
+                match ingestor.apply(ops) {
+                    Ok(outcome) => {
+                        ingested += (outcome.new_rows + outcome.attached) as u64;
+                        for l in &outcome.latencies {
+                            recent.push_latency(l.as_secs_f64() * 1e3);
+                        }
+                        for (rel, reason) in &outcome.quarantined {
+                            recent.push_error(format!("{rel}: {reason}"));
+                        }
+                        log::debug!(
+                            "batch: {} new rows, {} attached, {} unchanged, {} removed, {} quarantined",
+                            outcome.new_rows,
+                            outcome.attached,
+                            outcome.unchanged,
+                            outcome.removed,
+                            outcome.quarantined.len()
+                        );
+                        let _ = report.send(Report::Batch(outcome));
+                    }
+                    Err(e) => {
+                        // Outputs or manifest failed (disk full, I/O error): nothing of the
+                        // batch was recorded, so a restart ingests it again. Stop here.
+                        log::error!("ingest failed, stopping: {e:#}");
+                        let _ = ingestor.close();
+                        return Err(e);
+                    }
+                }
+                shared.queued.fetch_sub(
+                    n_ingest.min(shared.queued.load(Ordering::Relaxed)),
+                    Ordering::Relaxed,
+                );
+                dirty = true;
+            }
+            Work::Rescan => match ingestor.reconcile() {
+                Ok(r) => {
+                    let _ = report.send(Report::Reconciled(r));
+                }
+                Err(e) => {
+                    log::error!("rescan failed: {e:#}");
+                    recent.push_error(format!("rescan: {e:#}"));
+                }
+            },
+            Work::Incomplete { rel, reason } => {
+                if let Err(e) = ingestor.quarantine_incomplete(&rel, &reason) {
+                    log::error!("cannot record {rel} as quarantined: {e:#}");
+                }
+                recent.push_error(format!("{rel}: {reason}"));
+                dirty = true;
+            }
+            Work::Reload(new) => {
+                ingestor.update_live_settings(&new);
+                settings.ingest = new.ingest.clone();
+            }
+        }
+        // Snapshot at most every 2 s, and never more than ~10% of the time.
+        if dirty && last_snapshot.elapsed() > (snapshot_cost * 10).max(Duration::from_secs(2)) {
+            let t = Instant::now();
+            write_snapshot(&ingestor, &settings, &shared, &recent, ingested);
+            snapshot_cost = t.elapsed();
+            last_snapshot = Instant::now();
+            dirty = false;
+        }
+    }
+    write_snapshot(&ingestor, &settings, &shared, &recent, ingested);
+    let stages: Vec<String> = ingestor
+        .stage_seconds()
+        .iter()
+        .map(|(k, v)| format!("{k} {v:.3}s"))
+        .collect();
+    log::info!(
+        "stopping: {ingested} files ingested this run; time per stage: {}",
+        stages.join(", ")
+    );
+    ingestor.close()
+}
+
+fn write_snapshot(
+    ingestor: &Ingestor,
+    settings: &Settings,
+    shared: &Shared,
+    recent: &Recent,
+    ingested: u64,
+) {
+    let result = (|| -> anyhow::Result<()> {
+        let mut r = status::collect(ingestor.manifest(), ingestor.labels())?;
+        r.service = Some(ServiceStatus {
+            pid: std::process::id(),
+            device: ingestor.device(),
+            queue_depth: shared.settling.load(Ordering::Relaxed)
+                + shared.queued.load(Ordering::Relaxed),
+            ingested,
+            latency_ms_p50: recent.percentile(0.5),
+            latency_ms_p90: recent.percentile(0.9),
+            latency_ms_p99: recent.percentile(0.99),
+            last_errors: recent.errors.iter().cloned().collect(),
+            updated_ms: now_ms(),
+        });
+        let path = status::snapshot_path(settings);
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&r)?)?;
+        std::fs::rename(&tmp, &path)?;
+        Ok(())
+    })();
+    if let Err(e) = result {
+        log::warn!("cannot write the status snapshot: {e:#}");
+    }
+}

@@ -1,0 +1,373 @@
+//! `ailhd doctor`: what this host offers for featurising (CPU features, CUDA driver, GPU, NVRTC,
+//! cuFFT) and a parity self-test of the GPU featuriser against the CPU one. A host without a GPU
+//! is a normal answer, not a failure: the report says so plainly and the command succeeds.
+
+use crate::config::FeatureSettings;
+use crate::decode::Waveform;
+use crate::features::cpu::CpuFeaturiser;
+use crate::features::cuda::{self, parity, CudaFeaturiser, CudaProbe};
+use crate::features::mel::Accuracy;
+use crate::features::Featuriser;
+use anyhow::Context;
+use half::f16;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+#[derive(Debug, Serialize)]
+pub struct DoctorReport {
+    pub ailhd_version: &'static str,
+    pub cpu: CpuReport,
+    pub cuda: CudaProbe,
+    pub parity: Vec<ParityResult>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CpuReport {
+    pub arch: &'static str,
+    pub threads: usize,
+    /// SIMD features the CPU featuriser can use.
+    pub features: BTreeMap<&'static str, bool>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ParityStatus {
+    Passed,
+    Failed,
+    Skipped,
+}
+
+/// GPU against CPU on the synthetic recordings, for one feature setup.
+#[derive(Debug, Serialize)]
+pub struct ParityResult {
+    /// "configured", "default" or "overlap32".
+    pub setup: String,
+    pub row_dims: [usize; 4],
+    pub status: ParityStatus,
+    /// The GPU featuriser's name ("cuda:<gpu>"), when it started.
+    pub device: Option<String>,
+    pub recordings: usize,
+    /// GPU rows against CPU rows, all recordings together (`parity::between_rows`).
+    pub agreement: Option<Agreement>,
+    /// A batch larger than one GPU chunk gave the same row bytes as the small batch
+    /// (the contract: a row never depends on its batch).
+    pub batch_independent: Option<bool>,
+    /// Why it was skipped or failed.
+    pub reason: Option<String>,
+}
+
+/// How far the GPU's rows are from the CPU's (a `mel::Accuracy`, in a form JSON can carry).
+#[derive(Debug, Serialize)]
+pub struct Agreement {
+    /// Values compared under the strict part of the rule (within 100 dB of the row maximum).
+    pub checked: usize,
+    pub max_ulps: f64,
+    pub max_abs_db: f64,
+    pub violations: usize,
+    /// "max ... float16 ulps (... dB) over ... values[, ... outside the rule (first: ...)]".
+    pub summary: String,
+}
+
+impl From<&Accuracy> for Agreement {
+    fn from(a: &Accuracy) -> Self {
+        Agreement {
+            checked: a.checked,
+            max_ulps: a.max_ulps,
+            max_abs_db: a.max_abs_db,
+            violations: a.violations,
+            summary: parity::summary(a),
+        }
+    }
+}
+
+/// Print the report (human-readable, or one JSON object with `json`). Errors only when a GPU is
+/// present and the self-test fails, or the report cannot be written.
+pub fn run_doctor(settings: &FeatureSettings, json: bool) -> anyhow::Result<()> {
+    let cuda = cuda::probe();
+    let mut setups: Vec<(String, FeatureSettings)> = Vec::new();
+    let named = [
+        ("default", FeatureSettings::default()),
+        ("overlap32", FeatureSettings::overlap32()),
+    ];
+    if !named.iter().any(|(_, s)| s == settings) {
+        setups.push(("configured".into(), settings.clone()));
+    }
+    setups.extend(named.into_iter().map(|(n, s)| (n.to_string(), s)));
+
+    let no_gpu = (!cuda.problems.is_empty()).then(|| cuda.problems.join("; "));
+    let parity = setups
+        .iter()
+        .map(|(name, s)| parity_for(name, s, no_gpu.as_deref()))
+        .collect();
+    let report = DoctorReport {
+        ailhd_version: env!("CARGO_PKG_VERSION"),
+        cpu: cpu_report(),
+        cuda,
+        parity,
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).context("writing the report as JSON")?
+        );
+    } else {
+        print!("{}", render(&report));
+    }
+    let failed: Vec<&str> = report
+        .parity
+        .iter()
+        .filter(|p| p.status == ParityStatus::Failed)
+        .map(|p| p.setup.as_str())
+        .collect();
+    if !failed.is_empty() {
+        anyhow::bail!(
+            "the GPU/CPU parity self-test failed for {}; featurise with `--device cpu` (or ingest.device = \"cpu\") until this is fixed",
+            failed.join(", ")
+        );
+    }
+    Ok(())
+}
+
+fn cpu_report() -> CpuReport {
+    #[allow(unused_mut)]
+    let mut features = BTreeMap::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        features.insert("avx2", std::arch::is_x86_feature_detected!("avx2"));
+        features.insert("fma", std::arch::is_x86_feature_detected!("fma"));
+        features.insert("avx512f", std::arch::is_x86_feature_detected!("avx512f"));
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        features.insert("neon", std::arch::is_aarch64_feature_detected!("neon"));
+    }
+    CpuReport {
+        arch: std::env::consts::ARCH,
+        threads: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        features,
+    }
+}
+
+fn parity_for(setup: &str, settings: &FeatureSettings, no_gpu: Option<&str>) -> ParityResult {
+    let recordings = parity::synthetic_recordings(settings);
+    let mut result = ParityResult {
+        setup: setup.to_string(),
+        row_dims: settings.shape().row_dims(),
+        status: ParityStatus::Skipped,
+        device: None,
+        recordings: recordings.len(),
+        agreement: None,
+        batch_independent: None,
+        reason: None,
+    };
+    if let Some(why) = no_gpu {
+        result.reason = Some(format!("no usable GPU ({why})"));
+        return result;
+    }
+    match compare(settings, &recordings, &mut result) {
+        Ok(()) => {
+            let agreed = result.agreement.as_ref().is_some_and(|a| a.violations == 0);
+            let independent = result.batch_independent.unwrap_or(false);
+            result.status = if agreed && independent {
+                ParityStatus::Passed
+            } else {
+                ParityStatus::Failed
+            };
+            if !independent {
+                result.reason = Some("a large batch gave different rows than a small one".into());
+            }
+        }
+        Err(e) => {
+            result.status = ParityStatus::Failed;
+            result.reason = Some(format!("{e:#}"));
+        }
+    }
+    result
+}
+
+fn compare(
+    settings: &FeatureSettings,
+    recordings: &[(String, Waveform)],
+    result: &mut ParityResult,
+) -> anyhow::Result<()> {
+    let row_len = settings.shape().row_len();
+    let batch: Vec<&Waveform> = recordings.iter().map(|(_, w)| w).collect();
+    let mut gpu = CudaFeaturiser::new(settings).context("starting the GPU featuriser")?;
+    result.device = Some(gpu.name());
+    let mut gpu_rows = vec![f16::ZERO; batch.len() * row_len];
+    gpu.featurise(&batch, &mut gpu_rows)?;
+    let mut cpu_rows = vec![f16::ZERO; batch.len() * row_len];
+    CpuFeaturiser::new(
+        settings,
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+    )
+    .and_then(|mut cpu| cpu.featurise(&batch, &mut cpu_rows))
+    .context("CPU featuriser")?;
+    let mut agreement = Accuracy::default();
+    for i in 0..batch.len() {
+        let span = i * row_len..(i + 1) * row_len;
+        let one = parity::between_rows(&cpu_rows[span.clone()], &gpu_rows[span]);
+        parity::merge(&mut agreement, &one);
+    }
+    result.agreement = Some(Agreement::from(&agreement));
+
+    // More than two chunks, so both staging slots are reused and the pipeline runs in full.
+    let big: Vec<&Waveform> = batch
+        .iter()
+        .copied()
+        .cycle()
+        .take(2 * gpu.chunk_files() + 3)
+        .collect();
+    let mut big_rows = vec![f16::ZERO; big.len() * row_len];
+    gpu.featurise(&big, &mut big_rows)?;
+    let independent = big_rows
+        .chunks(row_len)
+        .enumerate()
+        .all(|(i, row)| row == &gpu_rows[(i % batch.len()) * row_len..][..row_len]);
+    result.batch_independent = Some(independent);
+    Ok(())
+}
+
+fn render(report: &DoctorReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    let _ = writeln!(s, "ailhd {} doctor\n", report.ailhd_version);
+
+    let cpu = &report.cpu;
+    let features: Vec<String> = cpu
+        .features
+        .iter()
+        .map(|(name, &on)| format!("{name} {}", yes(on)))
+        .collect();
+    let _ = writeln!(s, "CPU");
+    let _ = writeln!(
+        s,
+        "  {}, {} threads; {}",
+        cpu.arch,
+        cpu.threads,
+        if features.is_empty() {
+            "no SIMD features checked on this architecture".to_string()
+        } else {
+            features.join(", ")
+        }
+    );
+
+    let cuda = &report.cuda;
+    let _ = writeln!(s, "\nCUDA");
+    for lib in &cuda.libraries {
+        let version = match lib.library {
+            "CUDA driver" => cuda.driver_version.as_ref().map(|v| format!("CUDA {v}")),
+            "NVRTC" => cuda.nvrtc_version.clone(),
+            _ => cuda.cufft_version.clone(),
+        };
+        let line = match &lib.loaded {
+            Some(name) => format!(
+                "{name}{}{}",
+                lib.path
+                    .as_ref()
+                    .map(|p| format!(" ({p})"))
+                    .unwrap_or_default(),
+                version
+                    .map(|v| format!(", version {v}"))
+                    .unwrap_or_default()
+            ),
+            None => format!(
+                "not found (tried {}): {}",
+                lib.sonames().join(", "),
+                lib.advice()
+            ),
+        };
+        let _ = writeln!(s, "  {:<13}{line}", lib.library);
+    }
+    for gpu in &cuda.gpus {
+        let _ = writeln!(
+            s,
+            "  {:<13}{}, {:.1} GiB, compute capability {}",
+            format!("GPU {}", gpu.ordinal),
+            gpu.name,
+            gpu.total_memory_bytes as f64 / (1u64 << 30) as f64,
+            gpu.compute_capability
+        );
+    }
+    if !cuda.problems.is_empty() {
+        let _ = writeln!(s, "  No usable GPU: featurising runs on the CPU.");
+        // Missing libraries are on their own lines above.
+        let missing: Vec<String> = cuda
+            .libraries
+            .iter()
+            .filter(|l| l.loaded.is_none())
+            .map(|l| l.missing_reason())
+            .collect();
+        for problem in cuda.problems.iter().filter(|p| !missing.contains(p)) {
+            let _ = writeln!(s, "  - {problem}");
+        }
+    } else {
+        let _ = writeln!(
+            s,
+            "  The GPU featuriser can be used (ingest.device = \"auto\" picks it)."
+        );
+    }
+
+    let _ = writeln!(
+        s,
+        "\nGPU/CPU parity (synthetic recordings: tones, noise, silence, chirp)"
+    );
+    for p in &report.parity {
+        let dims = format!("{:?}", p.row_dims);
+        let verdict = match p.status {
+            ParityStatus::Passed => "passed",
+            ParityStatus::Failed => "FAILED",
+            ParityStatus::Skipped => "skipped",
+        };
+        let mut detail = Vec::new();
+        if let Some(a) = &p.agreement {
+            detail.push(a.summary.clone());
+        }
+        if p.batch_independent == Some(true) {
+            detail.push("same rows at any batch size".into());
+        }
+        match (&p.reason, p.status) {
+            // The reasons are in the CUDA section; `--json` has them in full here too.
+            (Some(_), ParityStatus::Skipped) => detail.push("no usable GPU".into()),
+            (Some(r), _) => detail.push(r.clone()),
+            (None, _) => {}
+        }
+        let _ = writeln!(
+            s,
+            "  {:<11}{:<17}{verdict}: {}",
+            p.setup,
+            dims,
+            detail.join("; ")
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_a_host_without_a_gpu_plainly() {
+        let settings = FeatureSettings::default();
+        let report = DoctorReport {
+            ailhd_version: "test",
+            cpu: cpu_report(),
+            cuda: cuda::probe(),
+            parity: vec![parity_for(
+                "default",
+                &settings,
+                Some("CUDA driver library not found"),
+            )],
+        };
+        let text = render(&report);
+        assert!(text.contains("CPU"), "{text}");
+        assert!(text.contains("skipped: no usable GPU"), "{text}");
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["parity"][0]["status"], "skipped");
+        assert!(json["cuda"]["libraries"].as_array().unwrap().len() == 3);
+    }
+}

@@ -1,0 +1,161 @@
+//! The enabled outputs of every split, driven together: an append goes to the HDF5 file and to
+//! the npy columns of its split, so both always hold the same rows at the same indices.
+
+use super::hdf5::Hdf5Sink;
+use super::npy::NpySink;
+use super::{hdf5_path, npy_dir, OutputHeader, RowMeta, SplitSink};
+use crate::config::{Outputs, SPLITS};
+use anyhow::{ensure, Context};
+use half::f16;
+use std::path::Path;
+
+pub struct OutputSet {
+    /// Per split, the enabled sinks (HDF5 first, then npy).
+    splits: Vec<Vec<Box<dyn SplitSink>>>,
+}
+
+impl OutputSet {
+    /// New, empty outputs under `dir` (which must not hold them yet).
+    pub fn create(
+        dir: &Path,
+        outputs: &Outputs,
+        header: &OutputHeader,
+        swmr: bool,
+    ) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        Self::build(dir, outputs, |kind, _, path| match kind {
+            Kind::Hdf5 => Ok(Box::new(Hdf5Sink::create(path, header, swmr)?) as Box<dyn SplitSink>),
+            Kind::Npy => Ok(Box::new(NpySink::create(path, header)?) as Box<dyn SplitSink>),
+        })
+    }
+
+    /// Existing outputs, reopened for appending: refuses outputs made with other feature
+    /// settings, and reclaims rows past `committed_rows` left by a crash, and past `keep[split]`
+    /// (what the manifest accounts for) when given.
+    pub fn open_append(
+        dir: &Path,
+        outputs: &Outputs,
+        header: &OutputHeader,
+        swmr: bool,
+        keep: Option<[u64; 3]>,
+    ) -> anyhow::Result<Self> {
+        let set = Self::build(dir, outputs, |kind, split, path| {
+            let k = keep.map(|k| k[split]);
+            Ok(match kind {
+                Kind::Hdf5 => {
+                    Box::new(Hdf5Sink::open_append(path, header, swmr, k)?) as Box<dyn SplitSink>
+                }
+                Kind::Npy => Box::new(NpySink::open_append(path, header, k)?) as Box<dyn SplitSink>,
+            })
+        })?;
+        for (split, sinks) in set.splits.iter().enumerate() {
+            let rows: Vec<u64> = sinks.iter().map(|s| s.committed_rows()).collect();
+            ensure!(
+                rows.windows(2).all(|w| w[0] == w[1]),
+                "the {} outputs disagree on committed rows ({rows:?}): run `ailhd rebuild`",
+                SPLITS[split]
+            );
+        }
+        Ok(set)
+    }
+
+    /// Whether outputs exist under `dir` (any enabled kind, any split).
+    pub fn exists(dir: &Path, outputs: &Outputs) -> bool {
+        (0..3).any(|s| {
+            (outputs.hdf5 && hdf5_path(dir, &outputs.hdf5_names, s).exists())
+                || (outputs.npy && npy_dir(dir, s).exists())
+        })
+    }
+
+    fn build(
+        dir: &Path,
+        outputs: &Outputs,
+        mut open: impl FnMut(Kind, usize, &Path) -> anyhow::Result<Box<dyn SplitSink>>,
+    ) -> anyhow::Result<Self> {
+        let mut splits = Vec::with_capacity(3);
+        for split in 0..3 {
+            let mut sinks = Vec::new();
+            if outputs.hdf5 {
+                sinks.push(open(
+                    Kind::Hdf5,
+                    split,
+                    &hdf5_path(dir, &outputs.hdf5_names, split),
+                )?);
+            }
+            if outputs.npy {
+                sinks.push(open(Kind::Npy, split, &npy_dir(dir, split))?);
+            }
+            splits.push(sinks);
+        }
+        Ok(OutputSet { splits })
+    }
+
+    /// Rows appended to `split` so far.
+    pub fn len(&self, split: usize) -> u64 {
+        self.splits[split][0].len()
+    }
+
+    pub fn committed_rows(&self, split: usize) -> u64 {
+        self.splits[split][0].committed_rows()
+    }
+
+    pub fn append(
+        &mut self,
+        split: usize,
+        mel: &[f16],
+        waveform: Option<&[f32]>,
+        meta: &[RowMeta],
+    ) -> anyhow::Result<u64> {
+        let mut first = None;
+        for sink in &mut self.splits[split] {
+            let at = sink.append(mel, waveform, meta)?;
+            ensure!(
+                first.is_none_or(|f| f == at),
+                "outputs of split {} out of step",
+                SPLITS[split]
+            );
+            first = Some(at);
+        }
+        Ok(first.unwrap_or(0))
+    }
+
+    /// The label list grew (`labels.unknown = "append"`): rewrite the label attributes.
+    pub fn set_labels(&mut self, labels: &[String]) -> anyhow::Result<()> {
+        for sink in self.splits.iter_mut().flatten() {
+            sink.set_labels(labels)?;
+        }
+        Ok(())
+    }
+
+    pub fn set_valid(&mut self, split: usize, row: u64, valid: bool) -> anyhow::Result<()> {
+        self.splits[split]
+            .iter_mut()
+            .try_for_each(|s| s.set_valid(row, valid))
+    }
+
+    pub fn set_label(&mut self, split: usize, row: u64, label: i16) -> anyhow::Result<()> {
+        self.splits[split]
+            .iter_mut()
+            .try_for_each(|s| s.set_label(row, label))
+    }
+
+    /// Make every appended row of every split durable and visible.
+    pub fn commit(&mut self) -> anyhow::Result<()> {
+        self.splits
+            .iter_mut()
+            .flatten()
+            .try_for_each(|s| s.commit())
+    }
+
+    pub fn close(self) -> anyhow::Result<()> {
+        for sink in self.splits.into_iter().flatten() {
+            sink.close()?;
+        }
+        Ok(())
+    }
+}
+
+enum Kind {
+    Hdf5,
+    Npy,
+}

@@ -1,0 +1,560 @@
+//! Settle: decides when a touched recording is complete enough to ingest (CONTRACT.md: closed,
+//! size stable, header consistent with the size; never ingested truncated), and when a file that
+//! never completes must be quarantined. Pure bookkeeping: the caller supplies the clock and a
+//! probe of the filesystem, so the rules are tested without sleeping or touching a disk.
+//!
+//! The rule, per file:
+//!
+//! - a *weak* touch (created, written, found by a directory walk) starts a settle window: the
+//!   file is probed once `settle` after the last touch to take a baseline `(size, mtime)`, and is
+//!   ready when a probe at least `settle` later sees the same baseline, with no touch in between,
+//!   and the header is consistent. So a weakly touched file is ready `2 * settle` after its last
+//!   touch at the earliest. The second probe guards writers whose writes raise no inotify event
+//!   (mmap, network filesystems).
+//! - a *strong* touch (closed after writing, moved into place) lets the file go on the first probe
+//!   whose header is consistent, without waiting. We still probe, never trust the event alone.
+//!   A writer that closes, reopens and appends raises new events, so the file is touched again,
+//!   settles again and its new bytes supersede the first ingestion (CONTRACT.md, "Identity"); it
+//!   is never ingested with an inconsistent header.
+//! - a header that is not consistent (recording in progress, truncated) keeps the file waiting,
+//!   re-probed with a backoff; if it stays so for `quarantine_after` since its last change (a
+//!   touch, or a probe that saw a new size or mtime), the file is quarantined with the header's
+//!   reason.
+//! - a file that has disappeared is dropped silently: its removal is the watcher's news.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+/// Longest pause between probes of a file whose header is not consistent yet. Bounds how late we
+/// notice a writer that finishes without raising an event; short enough to feel immediate, long
+/// enough that a stuck file costs a handful of `stat`s a minute.
+const MAX_RECHECK: Duration = Duration::from_secs(5);
+
+/// Shortest pause between probes of one file, so `settle = 0` cannot spin.
+const MIN_RECHECK: Duration = Duration::from_millis(1);
+
+/// What the filesystem says about a file now. Built by the caller (stat + header check with the
+/// decoder), so this module does not depend on how headers are parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Probe {
+    /// The path no longer exists (deleted or moved away).
+    Missing,
+    Present {
+        size: u64,
+        mtime: SystemTime,
+        /// `Ok` when the header is consistent with `size`; otherwise why not (the decoder's
+        /// message, e.g. "recording in progress" or "truncated"), used as the quarantine reason.
+        header: Result<(), String>,
+    },
+}
+
+/// A decision about one file, returned by [`Settler::poll`]. Either way the file is no longer
+/// pending; a later [`Settler::note`] starts over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settled {
+    /// Complete: ingest it. `size` and `mtime` are what the deciding probe saw, so the ingester can
+    /// notice that the file changed again before it read it.
+    Ready {
+        path: PathBuf,
+        size: u64,
+        mtime: SystemTime,
+    },
+    /// Still incomplete `quarantine_after` after its last change.
+    Quarantine { path: PathBuf, reason: String },
+}
+
+/// Tracks files that were touched and are not yet complete. Paths are opaque keys: whatever the
+/// caller passes to [`note`](Settler::note) is what the probe receives and what comes back.
+#[derive(Debug)]
+pub struct Settler {
+    settle: Duration,
+    quarantine_after: Duration,
+    pending: HashMap<PathBuf, Pending>,
+    /// (due, path) for every pending file, so the next deadline and the due files are found
+    /// without scanning: a bulk copy can leave thousands of files pending at once.
+    schedule: BTreeSet<(Instant, PathBuf)>,
+}
+
+#[derive(Debug)]
+struct Pending {
+    /// The latest touch was a close-after-write or a move into place, and no unexplained change
+    /// was seen since: the file may go without the settle window.
+    strong: bool,
+    /// Starts the quarantine clock again: the latest touch, or the latest probe that saw a new
+    /// size or mtime. A file that keeps changing is being written, not stuck.
+    last_change: Instant,
+    /// The first probe since the latest touch, and what it saw; `None` until then. Readiness
+    /// compares against it, so a baseline is never older than the latest touch.
+    baseline: Option<Baseline>,
+    /// When this file is probed next; mirrored in `Settler::schedule`.
+    due: Instant,
+    /// Pause before the next probe while the header is inconsistent; doubles up to MAX_RECHECK.
+    recheck: Duration,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Baseline {
+    size: u64,
+    mtime: SystemTime,
+    at: Instant,
+}
+
+impl Settler {
+    /// `settle`: how long `(size, mtime)` must stay unchanged after a weak touch
+    /// (`ingest.settle_ms`). `quarantine_after`: how long a file may stay incomplete after its
+    /// last change before it is quarantined (`ingest.quarantine_after_s`).
+    pub fn new(settle: Duration, quarantine_after: Duration) -> Settler {
+        Settler {
+            settle,
+            quarantine_after,
+            pending: HashMap::new(),
+            schedule: BTreeSet::new(),
+        }
+    }
+
+    /// Records that `path` was touched at `now`. `strong`: closed after writing or moved into
+    /// place. A weak touch after a strong one cancels the fast path (the writer came back).
+    pub fn note(&mut self, path: &Path, strong: bool, now: Instant) {
+        let due = if strong { now } else { now + self.settle };
+        let first_recheck = self.settle.max(MIN_RECHECK);
+        let entry = self
+            .pending
+            .entry(path.to_path_buf())
+            .or_insert_with(|| Pending {
+                strong,
+                last_change: now,
+                baseline: None,
+                due,
+                recheck: first_recheck,
+            });
+        entry.strong = strong;
+        entry.last_change = now;
+        entry.baseline = None;
+        entry.recheck = first_recheck;
+        reschedule(&mut self.schedule, path, entry, due);
+    }
+
+    /// Probes every file that is due at `now` and returns those that are ready or must be
+    /// quarantined. The others are rescheduled; [`next_deadline`](Settler::next_deadline) says
+    /// when to call again.
+    pub fn poll(&mut self, now: Instant, mut probe: impl FnMut(&Path) -> Probe) -> Vec<Settled> {
+        let mut decided = Vec::new();
+        while let Some((due, _)) = self.schedule.first() {
+            if *due > now {
+                break;
+            }
+            let (_, path) = self.schedule.pop_first().expect("first() was Some");
+            let Some(entry) = self.pending.get_mut(&path) else {
+                continue;
+            };
+            let (size, mtime, header) = match probe(&path) {
+                Probe::Missing => {
+                    self.pending.remove(&path);
+                    continue;
+                }
+                Probe::Present {
+                    size,
+                    mtime,
+                    header,
+                } => (size, mtime, header),
+            };
+            let baseline = match entry.baseline {
+                Some(b) if b.size == size && b.mtime == mtime => b,
+                previous => {
+                    if previous.is_some() {
+                        // Changed with no event about it: someone is writing where inotify does
+                        // not see it. Whatever a close told us is stale.
+                        entry.strong = false;
+                        entry.last_change = now;
+                        entry.recheck = self.settle.max(MIN_RECHECK);
+                    }
+                    let b = Baseline {
+                        size,
+                        mtime,
+                        at: now,
+                    };
+                    entry.baseline = Some(b);
+                    b
+                }
+            };
+            let next = match header {
+                Ok(()) if entry.strong || now.duration_since(baseline.at) >= self.settle => {
+                    self.pending.remove(&path);
+                    decided.push(Settled::Ready { path, size, mtime });
+                    continue;
+                }
+                // Consistent but not yet seen stable for the whole window.
+                Ok(()) => (baseline.at + self.settle).max(now + MIN_RECHECK),
+                Err(reason) => {
+                    let deadline = entry.last_change + self.quarantine_after;
+                    if now >= deadline {
+                        self.pending.remove(&path);
+                        let reason = format!(
+                            "still incomplete {} s after its last change: {reason}",
+                            self.quarantine_after.as_secs()
+                        );
+                        decided.push(Settled::Quarantine { path, reason });
+                        continue;
+                    }
+                    let next = (now + entry.recheck).min(deadline);
+                    entry.recheck = (entry.recheck * 2).min(MAX_RECHECK.max(self.settle));
+                    next
+                }
+            };
+            entry.due = next;
+            self.schedule.insert((next, path));
+        }
+        decided
+    }
+
+    /// When [`poll`](Settler::poll) has something to do next; `None` when nothing is pending, so
+    /// an idle daemon sleeps until the next event instead of polling.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.schedule.first().map(|(due, _)| *due)
+    }
+
+    /// Stops tracking `path` (it was removed, or the caller decided otherwise). Files under a
+    /// removed directory need not be forgotten one by one: their next probe finds them missing.
+    pub fn forget(&mut self, path: &Path) {
+        if let Some(entry) = self.pending.remove(path) {
+            self.schedule.remove(&(entry.due, path.to_path_buf()));
+        }
+    }
+
+    /// Files touched and not yet decided.
+    pub fn len(&self) -> usize {
+        self.pending.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pending.is_empty()
+    }
+}
+
+fn reschedule(
+    schedule: &mut BTreeSet<(Instant, PathBuf)>,
+    path: &Path,
+    entry: &mut Pending,
+    due: Instant,
+) {
+    let key = (entry.due, path.to_path_buf());
+    schedule.remove(&key);
+    entry.due = due;
+    schedule.insert((due, key.1));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    const SETTLE: Duration = Duration::from_millis(200);
+    const QUARANTINE: Duration = Duration::from_secs(300);
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// A fake filesystem: path -> probe result, changed by the test between polls.
+    struct FakeFs(RefCell<HashMap<PathBuf, Probe>>);
+
+    impl FakeFs {
+        fn new() -> FakeFs {
+            FakeFs(RefCell::new(HashMap::new()))
+        }
+        fn set(&self, path: &str, size: u64, mtime_s: u64, header: Result<(), &str>) {
+            self.0.borrow_mut().insert(
+                PathBuf::from(path),
+                Probe::Present {
+                    size,
+                    mtime: SystemTime::UNIX_EPOCH + Duration::from_secs(mtime_s),
+                    header: header.map_err(str::to_string),
+                },
+            );
+        }
+        fn remove(&self, path: &str) {
+            self.0.borrow_mut().remove(Path::new(path));
+        }
+        fn probe(&self) -> impl FnMut(&Path) -> Probe + '_ {
+            |p| self.0.borrow().get(p).cloned().unwrap_or(Probe::Missing)
+        }
+    }
+
+    fn ready_paths(out: &[Settled]) -> Vec<&Path> {
+        out.iter()
+            .filter_map(|s| match s {
+                Settled::Ready { path, .. } => Some(path.as_path()),
+                Settled::Quarantine { .. } => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn idle_settler_has_no_deadline() {
+        let s = Settler::new(SETTLE, QUARANTINE);
+        assert_eq!(s.next_deadline(), None);
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn weak_touch_is_ready_after_two_stable_probes() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("a.wav", 100, 1, Ok(()));
+        s.note(Path::new("a.wav"), false, t0);
+        assert_eq!(s.next_deadline(), Some(t0 + SETTLE));
+
+        // Nothing is due before the window ends: no probe at all.
+        let out = s.poll(t0 + ms(100), |_| panic!("probed too early"));
+        assert!(out.is_empty());
+
+        // First probe takes the baseline.
+        assert!(s.poll(t0 + SETTLE, fs.probe()).is_empty());
+        assert_eq!(s.next_deadline(), Some(t0 + 2 * SETTLE));
+
+        let out = s.poll(t0 + 2 * SETTLE, fs.probe());
+        assert_eq!(
+            out,
+            vec![Settled::Ready {
+                path: "a.wav".into(),
+                size: 100,
+                mtime: SystemTime::UNIX_EPOCH + Duration::from_secs(1),
+            }]
+        );
+        assert_eq!(s.next_deadline(), None);
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn strong_touch_goes_on_the_first_consistent_probe() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("a.wav", 100, 1, Ok(()));
+        s.note(Path::new("a.wav"), false, t0);
+        s.note(Path::new("a.wav"), true, t0 + ms(10));
+        assert_eq!(s.next_deadline(), Some(t0 + ms(10)));
+        assert_eq!(
+            ready_paths(&s.poll(t0 + ms(10), fs.probe())),
+            [Path::new("a.wav")]
+        );
+    }
+
+    #[test]
+    fn strong_touch_still_needs_a_consistent_header() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("a.wav", 44, 1, Err("recording in progress"));
+        s.note(Path::new("a.wav"), true, t0);
+        assert!(s.poll(t0, fs.probe()).is_empty());
+        // The writer fixes the header without an event we saw; size changes too.
+        fs.set("a.wav", 81964, 2, Ok(()));
+        let due = s.next_deadline().unwrap();
+        assert!(due > t0);
+        // The unexplained change cancels the fast path: a full window of stability is needed.
+        assert!(s.poll(due, fs.probe()).is_empty());
+        let out = s.poll(due + SETTLE, fs.probe());
+        assert_eq!(ready_paths(&out), [Path::new("a.wav")]);
+    }
+
+    #[test]
+    fn weak_touch_after_strong_cancels_fast_path() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("a.wav", 100, 1, Ok(()));
+        s.note(Path::new("a.wav"), true, t0);
+        s.note(Path::new("a.wav"), false, t0 + ms(1));
+        assert!(s.poll(t0 + ms(1), fs.probe()).is_empty());
+        assert_eq!(s.next_deadline(), Some(t0 + ms(1) + SETTLE));
+    }
+
+    #[test]
+    fn growing_file_waits_until_it_stops() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        let path = Path::new("LEAK/a.wav");
+        fs.set("LEAK/a.wav", 1000, 1, Ok(()));
+        s.note(path, false, t0);
+        let mut now = t0 + SETTLE;
+        assert!(s.poll(now, fs.probe()).is_empty());
+        // Grows between every probe (a writer invisible to inotify), header consistent each time.
+        for size in [2000, 3000, 4000] {
+            fs.set("LEAK/a.wav", size, size, Ok(()));
+            now = s.next_deadline().unwrap();
+            assert!(s.poll(now, fs.probe()).is_empty(), "ready while growing");
+        }
+        now = s.next_deadline().unwrap();
+        let out = s.poll(now, fs.probe());
+        assert_eq!(
+            out,
+            vec![Settled::Ready {
+                path: path.into(),
+                size: 4000,
+                mtime: SystemTime::UNIX_EPOCH + Duration::from_secs(4000),
+            }]
+        );
+    }
+
+    #[test]
+    fn touch_resets_the_settle_window() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("a.wav", 100, 1, Ok(()));
+        s.note(Path::new("a.wav"), false, t0);
+        assert!(s.poll(t0 + SETTLE, fs.probe()).is_empty());
+        // Touched again just before the confirming probe: the baseline is void.
+        s.note(Path::new("a.wav"), false, t0 + 2 * SETTLE - ms(1));
+        assert!(s.poll(t0 + 2 * SETTLE, fs.probe()).is_empty());
+        assert_eq!(s.next_deadline(), Some(t0 + 3 * SETTLE - ms(1)));
+        assert!(s.poll(t0 + 3 * SETTLE - ms(1), fs.probe()).is_empty());
+        let out = s.poll(t0 + 4 * SETTLE - ms(1), fs.probe());
+        assert_eq!(ready_paths(&out), [Path::new("a.wav")]);
+    }
+
+    #[test]
+    fn stuck_in_progress_is_quarantined_at_the_deadline_with_its_reason() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set(
+            "a.wav",
+            44,
+            1,
+            Err("recording in progress: data size 0 in header"),
+        );
+        s.note(Path::new("a.wav"), true, t0);
+        let mut probes = 0;
+        loop {
+            let now = s.next_deadline().expect("still pending");
+            assert!(now <= t0 + QUARANTINE, "deadline passed without quarantine");
+            let out = s.poll(now, |p| {
+                probes += 1;
+                fs.probe()(p)
+            });
+            if now < t0 + QUARANTINE {
+                assert!(out.is_empty(), "decided before the deadline: {out:?}");
+                continue;
+            }
+            assert_eq!(now, t0 + QUARANTINE);
+            match out.as_slice() {
+                [Settled::Quarantine { path, reason }] => {
+                    assert_eq!(path, Path::new("a.wav"));
+                    assert!(reason.contains("recording in progress"), "{reason}");
+                    assert!(reason.contains("300 s"), "{reason}");
+                }
+                other => panic!("expected a quarantine, got {other:?}"),
+            }
+            break;
+        }
+        assert_eq!(s.next_deadline(), None);
+        // Backoff: a stuck file is probed a few dozen times in 5 minutes, not 1500.
+        assert!(probes < 100, "{probes} probes");
+    }
+
+    #[test]
+    fn change_restarts_the_quarantine_clock() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("a.wav", 1000, 1, Err("truncated"));
+        s.note(Path::new("a.wav"), false, t0);
+        // Poll until halfway, then the file grows without an event (probe-observed change).
+        let half = t0 + QUARANTINE / 2;
+        while s.next_deadline().unwrap() < half {
+            let now = s.next_deadline().unwrap();
+            assert!(s.poll(now, fs.probe()).is_empty());
+        }
+        fs.set("a.wav", 2000, 2, Err("truncated"));
+        let changed_at = s.next_deadline().unwrap();
+        assert!(s.poll(changed_at, fs.probe()).is_empty());
+        // Past the original deadline: still waiting.
+        while s.next_deadline().unwrap() < changed_at + QUARANTINE {
+            let now = s.next_deadline().unwrap();
+            assert!(s.poll(now, fs.probe()).is_empty(), "quarantined early");
+        }
+        assert_eq!(s.next_deadline(), Some(changed_at + QUARANTINE));
+        let out = s.poll(changed_at + QUARANTINE, fs.probe());
+        assert!(matches!(out.as_slice(), [Settled::Quarantine { .. }]));
+
+        // A touch restarts it as well.
+        s.note(Path::new("a.wav"), true, t0);
+        let mut now = t0;
+        while now < t0 + QUARANTINE / 2 {
+            assert!(s.poll(now, fs.probe()).is_empty());
+            now = s.next_deadline().unwrap();
+        }
+        let touched_at = now;
+        s.note(Path::new("a.wav"), false, touched_at);
+        while s.next_deadline().unwrap() < touched_at + QUARANTINE {
+            let now = s.next_deadline().unwrap();
+            assert!(s.poll(now, fs.probe()).is_empty(), "quarantined early");
+        }
+        assert_eq!(s.next_deadline(), Some(touched_at + QUARANTINE));
+    }
+
+    #[test]
+    fn removed_file_is_dropped_silently() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("a.wav", 100, 1, Ok(()));
+        s.note(Path::new("a.wav"), false, t0);
+        assert!(s.poll(t0 + SETTLE, fs.probe()).is_empty());
+        fs.remove("a.wav");
+        assert!(s.poll(t0 + 2 * SETTLE, fs.probe()).is_empty());
+        assert_eq!(s.next_deadline(), None);
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn forget_stops_tracking() {
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        s.note(Path::new("a.wav"), false, t0);
+        s.note(Path::new("b.wav"), false, t0 + ms(50));
+        assert_eq!(s.len(), 2);
+        s.forget(Path::new("a.wav"));
+        assert_eq!(s.next_deadline(), Some(t0 + ms(50) + SETTLE));
+        s.forget(Path::new("b.wav"));
+        s.forget(Path::new("never-seen.wav"));
+        assert_eq!(s.next_deadline(), None);
+        assert!(s
+            .poll(t0 + QUARANTINE, |_| panic!("probed a forgotten file"))
+            .is_empty());
+    }
+
+    #[test]
+    fn next_deadline_is_the_earliest_of_many() {
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        s.note(Path::new("late.wav"), false, t0 + ms(100));
+        s.note(Path::new("early.wav"), false, t0);
+        assert_eq!(s.next_deadline(), Some(t0 + SETTLE));
+        // Re-noting moves a file's deadline rather than adding a second one.
+        s.note(Path::new("early.wav"), false, t0 + ms(500));
+        assert_eq!(s.next_deadline(), Some(t0 + ms(100) + SETTLE));
+        assert_eq!(s.len(), 2);
+        s.note(Path::new("strong.wav"), true, t0 + ms(1));
+        assert_eq!(s.next_deadline(), Some(t0 + ms(1)));
+    }
+
+    #[test]
+    fn zero_settle_does_not_spin() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(Duration::ZERO, Duration::from_secs(1));
+        fs.set("a.wav", 44, 1, Err("recording in progress"));
+        s.note(Path::new("a.wav"), false, t0);
+        assert!(s.poll(t0, fs.probe()).is_empty());
+        assert!(s.next_deadline().unwrap() > t0);
+        fs.set("b.wav", 100, 1, Ok(()));
+        s.note(Path::new("b.wav"), false, t0);
+        assert_eq!(ready_paths(&s.poll(t0, fs.probe())), [Path::new("b.wav")]);
+    }
+}

@@ -1,0 +1,180 @@
+//! Swap-in of a rebuild: new outputs and manifest are built beside the old ones, then moved into
+//! place by a roll-forward journal (`<state>/swap.pending`). A rebuild interrupted before the
+//! journal exists leaves the old outputs untouched; one interrupted during the swap is finished
+//! by the next `rebuild` or `run`.
+
+use crate::config::{Settings, SPLITS};
+use crate::output::{hdf5_path, npy_dir};
+use anyhow::Context;
+use std::path::{Path, PathBuf};
+
+const STAGING_DIR: &str = ".ailhd-staging";
+
+pub fn output_staging(settings: &Settings) -> PathBuf {
+    settings.paths.output.join(STAGING_DIR)
+}
+
+pub fn manifest_dir(settings: &Settings) -> PathBuf {
+    settings.paths.state.join("manifest")
+}
+
+pub fn manifest_staging(settings: &Settings) -> PathBuf {
+    settings.paths.state.join("manifest.staging")
+}
+
+fn journal(settings: &Settings) -> PathBuf {
+    settings.paths.state.join("swap.pending")
+}
+
+/// (staged, final) pairs: every output file or folder, then the manifest last, so a manifest
+/// in place always describes outputs already in place.
+fn moves(settings: &Settings) -> Vec<(PathBuf, PathBuf)> {
+    let stage = output_staging(settings);
+    let out = &settings.paths.output;
+    let mut v = Vec::new();
+    for split in 0..SPLITS.len() {
+        v.push((
+            hdf5_path(&stage, &settings.outputs.hdf5_names, split),
+            hdf5_path(out, &settings.outputs.hdf5_names, split),
+        ));
+        v.push((npy_dir(&stage, split), npy_dir(out, split)));
+    }
+    v.push((manifest_staging(settings), manifest_dir(settings)));
+    v
+}
+
+/// Clear leftovers of an interrupted rebuild (never the journal's business: call
+/// [`finish_pending`] first) and prepare empty staging places.
+pub fn prepare(settings: &Settings) -> anyhow::Result<()> {
+    for dir in [output_staging(settings), manifest_staging(settings)] {
+        remove_any(&dir)?;
+    }
+    std::fs::create_dir_all(output_staging(settings))
+        .with_context(|| format!("cannot create {}", output_staging(settings).display()))?;
+    Ok(())
+}
+
+/// Staged outputs are complete: record the intent, then move everything into place.
+pub fn swap_in(settings: &Settings) -> anyhow::Result<()> {
+    let j = journal(settings);
+    let tmp = j.with_extension("tmp");
+    std::fs::write(&tmp, b"rebuild swap in progress\n")?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, &j)?;
+    sync_dir(&settings.paths.state);
+    finish_pending(settings)
+}
+
+/// Roll forward a swap whose journal exists. Idempotent: each move checks what is left.
+pub fn finish_pending(settings: &Settings) -> anyhow::Result<()> {
+    let j = journal(settings);
+    if !j.exists() {
+        return Ok(());
+    }
+    for (staged, fin) in moves(settings) {
+        if !staged.exists() {
+            // A folder already moved; its predecessor may still be aside after a crash.
+            let old = fin.with_extension("old");
+            if old.is_dir() {
+                remove_any(&old)?;
+            }
+            continue;
+        }
+        if let Some(parent) = fin.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        if staged.is_dir() {
+            // rename() cannot replace a non-empty folder: move the old one aside first.
+            let old = fin.with_extension("old");
+            remove_any(&old)?;
+            if fin.exists() {
+                std::fs::rename(&fin, &old)
+                    .with_context(|| format!("cannot move {} aside", fin.display()))?;
+            }
+            std::fs::rename(&staged, &fin)
+                .with_context(|| format!("cannot move {} into place", staged.display()))?;
+            remove_any(&old)?;
+        } else {
+            std::fs::rename(&staged, &fin)
+                .with_context(|| format!("cannot move {} into place", staged.display()))?;
+        }
+        if let Some(parent) = fin.parent() {
+            sync_dir(parent);
+        }
+    }
+    remove_any(&output_staging(settings))?;
+    std::fs::remove_file(&j).with_context(|| format!("cannot remove {}", j.display()))?;
+    sync_dir(&settings.paths.state);
+    Ok(())
+}
+
+fn remove_any(p: &Path) -> anyhow::Result<()> {
+    match std::fs::symlink_metadata(p) {
+        Ok(m) if m.is_dir() => {
+            std::fs::remove_dir_all(p).with_context(|| format!("cannot remove {}", p.display()))
+        }
+        Ok(_) => std::fs::remove_file(p).with_context(|| format!("cannot remove {}", p.display())),
+        Err(_) => Ok(()),
+    }
+}
+
+fn sync_dir(p: &Path) {
+    if let Ok(f) = std::fs::File::open(p) {
+        let _ = f.sync_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(dir: &Path) -> Settings {
+        let mut s = Settings::default();
+        s.paths.output = dir.join("out");
+        s.paths.state = dir.join("state");
+        s
+    }
+
+    #[test]
+    fn swap_moves_staged_outputs_over_old_ones_and_is_idempotent() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = settings(dir.path());
+        std::fs::create_dir_all(npy_dir(&s.paths.output, 0)).unwrap();
+        std::fs::write(npy_dir(&s.paths.output, 0).join("labels.npy"), b"old").unwrap();
+        std::fs::write(hdf5_path(&s.paths.output, &s.outputs.hdf5_names, 0), b"old").unwrap();
+        std::fs::create_dir_all(manifest_dir(&s)).unwrap();
+        prepare(&s).unwrap();
+        let stage = output_staging(&s);
+        std::fs::create_dir_all(npy_dir(&stage, 0)).unwrap();
+        std::fs::write(npy_dir(&stage, 0).join("labels.npy"), b"new").unwrap();
+        std::fs::write(hdf5_path(&stage, &s.outputs.hdf5_names, 0), b"new").unwrap();
+        std::fs::create_dir_all(manifest_staging(&s)).unwrap();
+        std::fs::write(manifest_staging(&s).join("db"), b"new").unwrap();
+
+        // Without the journal nothing moves (an interrupted rebuild changes nothing).
+        finish_pending(&s).unwrap();
+        assert_eq!(
+            std::fs::read(hdf5_path(&s.paths.output, &s.outputs.hdf5_names, 0)).unwrap(),
+            b"old"
+        );
+
+        swap_in(&s).unwrap();
+        assert_eq!(
+            std::fs::read(hdf5_path(&s.paths.output, &s.outputs.hdf5_names, 0)).unwrap(),
+            b"new"
+        );
+        assert_eq!(
+            std::fs::read(npy_dir(&s.paths.output, 0).join("labels.npy")).unwrap(),
+            b"new"
+        );
+        assert_eq!(std::fs::read(manifest_dir(&s).join("db")).unwrap(), b"new");
+        assert!(!stage.exists() && !journal(&s).exists());
+        // A journal left by a crash after the moves: rolling forward again changes nothing.
+        std::fs::write(journal(&s), b"x").unwrap();
+        finish_pending(&s).unwrap();
+        assert_eq!(
+            std::fs::read(npy_dir(&s.paths.output, 0).join("labels.npy")).unwrap(),
+            b"new"
+        );
+    }
+}

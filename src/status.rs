@@ -1,0 +1,187 @@
+//! `ailhd status`: files per state, rows per split and label, quarantined files with reasons,
+//! and (while the service runs) its queue depth, ingest latency and last errors. The manifest
+//! can only be opened by one process, so while `run` holds it, `status` reads the snapshot the
+//! service keeps in `<state>/status.json`.
+
+use crate::config::{Settings, SPLITS};
+use crate::lock::WriterLock;
+use crate::manifest::{FileState, Manifest};
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SplitRows {
+    pub rows: u64,
+    pub valid: u64,
+    /// Valid rows per label name.
+    pub per_label: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Quarantined {
+    pub path: String,
+    pub reason: String,
+}
+
+/// What the running service adds (absent when it is not running).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ServiceStatus {
+    pub pid: u32,
+    pub device: String,
+    pub queue_depth: usize,
+    pub ingested: u64,
+    /// Close-to-commit latency of recent files, milliseconds.
+    pub latency_ms_p50: Option<f64>,
+    pub latency_ms_p90: Option<f64>,
+    pub latency_ms_p99: Option<f64>,
+    pub last_errors: Vec<String>,
+    pub updated_ms: i64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct StatusReport {
+    pub writer: Option<String>,
+    pub files: BTreeMap<String, u64>,
+    pub splits: BTreeMap<String, SplitRows>,
+    pub quarantined: Vec<Quarantined>,
+    pub service: Option<ServiceStatus>,
+    pub feature_fingerprint: Option<String>,
+}
+
+pub fn snapshot_path(settings: &Settings) -> PathBuf {
+    settings.paths.state.join("status.json")
+}
+
+/// Count everything in the manifest.
+pub fn collect(manifest: &Manifest, labels: &[String]) -> anyhow::Result<StatusReport> {
+    let mut r = StatusReport::default();
+    for name in SPLITS {
+        r.splits.insert(name.to_string(), SplitRows::default());
+    }
+    for item in manifest.files() {
+        let (path, rec) = item?;
+        let state = match rec.state {
+            FileState::Committed => "committed",
+            FileState::Quarantined => "quarantined",
+        };
+        *r.files.entry(state.to_string()).or_default() += 1;
+        if rec.state == FileState::Quarantined {
+            r.quarantined.push(Quarantined {
+                path,
+                reason: rec.reason.unwrap_or_default(),
+            });
+        }
+    }
+    for item in manifest.contents() {
+        let (_, c) = item?;
+        let split = r.splits.get_mut(SPLITS[c.split as usize % 3]).unwrap();
+        split.rows += 1;
+        if c.valid {
+            split.valid += 1;
+            let name = labels
+                .get(c.label as usize)
+                .cloned()
+                .unwrap_or_else(|| format!("#{}", c.label));
+            *split.per_label.entry(name).or_default() += 1;
+        }
+    }
+    r.feature_fingerprint = manifest.get_meta("feature_fingerprint")?;
+    Ok(r)
+}
+
+/// The report as `status` shows it: from the manifest when no writer holds it, else from the
+/// running service's snapshot.
+pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
+    if let Some(holder) = WriterLock::holder(&settings.paths.state) {
+        let path = snapshot_path(settings);
+        let text = std::fs::read_to_string(&path).with_context(|| {
+            format!(
+                "{holder} holds the manifest and has not written {} yet",
+                path.display()
+            )
+        })?;
+        let mut r: StatusReport = serde_json::from_str(&text)
+            .with_context(|| format!("cannot parse {}", path.display()))?;
+        r.writer = Some(holder);
+        return Ok(r);
+    }
+    let dir = crate::staging::manifest_dir(settings);
+    if !dir.exists() {
+        anyhow::bail!(
+            "no manifest at {}: nothing has been ingested yet (run `ailhd rebuild` or start `ailhd run`)",
+            dir.display()
+        );
+    }
+    let manifest = Manifest::open(&dir)?;
+    let appended = manifest.appended_labels()?;
+    let labels =
+        crate::identity::LabelSet::new(&settings.labels.names, &appended, settings.labels.unknown)
+            .names;
+    collect(&manifest, &labels)
+}
+
+pub fn render(r: &StatusReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    match &r.writer {
+        Some(w) => {
+            let _ = writeln!(s, "writer: {w}");
+        }
+        None => {
+            let _ = writeln!(s, "writer: none (service not running)");
+        }
+    }
+    if let Some(svc) = &r.service {
+        let ms = |v: Option<f64>| {
+            v.map(|x| format!("{x:.1} ms"))
+                .unwrap_or_else(|| "-".into())
+        };
+        let _ = writeln!(
+            s,
+            "service: pid {} on {}, queue {}, ingested {}, latency p50 {} p90 {} p99 {}",
+            svc.pid,
+            svc.device,
+            svc.queue_depth,
+            svc.ingested,
+            ms(svc.latency_ms_p50),
+            ms(svc.latency_ms_p90),
+            ms(svc.latency_ms_p99)
+        );
+        for e in &svc.last_errors {
+            let _ = writeln!(s, "  recent error: {e}");
+        }
+    }
+    let files: Vec<String> = r.files.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    let _ = writeln!(
+        s,
+        "files: {}",
+        if files.is_empty() {
+            "none".into()
+        } else {
+            files.join(", ")
+        }
+    );
+    for name in SPLITS {
+        if let Some(sp) = r.splits.get(name) {
+            let labels: Vec<String> = sp
+                .per_label
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect();
+            let _ = writeln!(
+                s,
+                "{name:<10} rows {:>7} (valid {:>7})  {}",
+                sp.rows,
+                sp.valid,
+                labels.join(", ")
+            );
+        }
+    }
+    let _ = writeln!(s, "quarantined: {}", r.quarantined.len());
+    for q in &r.quarantined {
+        let _ = writeln!(s, "  {}: {}", q.path, q.reason);
+    }
+    s
+}

@@ -1,0 +1,201 @@
+//! The command line as an operator meets it: configuration sources and overrides, exit codes,
+//! `demo`, `inspect`, the writer lock, and a rebuild interrupted by SIGKILL.
+
+mod common;
+use common::*;
+use std::time::Duration;
+
+#[test]
+fn check_config_accepts_the_shipped_files_and_names_bad_keys() {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    for f in ["config/ailhd.toml", "config/overlap32.toml"] {
+        let o = std::process::Command::new(bin())
+            .arg("--config")
+            .arg(repo.join(f))
+            .arg("check-config")
+            .output()
+            .unwrap();
+        ok(&o);
+    }
+    let world = World::new("[features]\nshort_window = 4096\n");
+    let o = world.run(&["check-config"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("features.short_window"), "{err}");
+
+    let world = World::new("[ingest]\nbatch_size = 3\n");
+    let o = world.run(&["check-config"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("batch_size"));
+}
+
+#[test]
+fn environment_overrides_and_config_search_order() {
+    let world = World::new("");
+    // An override that makes the configuration impossible proves the variable is read.
+    let o = world
+        .cmd(&["check-config"])
+        .env("AILHD_SPLITS__RATIOS__TRAINING", "90")
+        .output()
+        .unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(String::from_utf8_lossy(&o.stderr).contains("splits.ratios"));
+    let o = world
+        .cmd(&["check-config"])
+        .env("AILHD_PATHS__OUTPUT", "/tmp/elsewhere")
+        .output()
+        .unwrap();
+    assert!(ok(&o).contains("/tmp/elsewhere"));
+    // $AILHD_CONFIG is used when --config is absent.
+    let o = std::process::Command::new(bin())
+        .arg("check-config")
+        .env("AILHD_CONFIG", &world.config)
+        .output()
+        .unwrap();
+    assert!(ok(&o).contains(world.rec().to_str().unwrap()));
+    // A named file that does not exist is a configuration error.
+    let o = std::process::Command::new(bin())
+        .args(["--config", "/nonexistent/ailhd.toml", "check-config"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn bad_usage_exits_2() {
+    let o = std::process::Command::new(bin())
+        .arg("frobnicate")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let world = World::new("");
+    let o = world.run(&["rebuild", "--device", "tpu"]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn demo_builds_a_tree_a_user_can_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = std::process::Command::new(bin())
+        .args(["demo"])
+        .arg(dir.path().join("d"))
+        .env_remove("AILHD_CONFIG")
+        .output()
+        .unwrap();
+    let text = ok(&o);
+    assert!(
+        text.contains("rebuilt 302 recordings -> 300 rows"),
+        "{text}"
+    );
+    assert!(
+        text.contains("cut_short.wav"),
+        "the broken file is reported: {text}"
+    );
+    let h5 = dir.path().join("d/output/TRAINING_DATASET.H5");
+    let script = format!(
+        "import h5py, numpy as np\nf = h5py.File({h5:?}, 'r')\nm = f['segments_mel']\nassert m.shape[1:] == (40, 2, 64, 1), m.shape\nassert m.shape[0] > 150\nl = f['labels'][...]\nassert set(np.unique(l)) == {{0, 1, 2, 3, 4}}\n# labels sound different: leaks are louder than background\nmean = {{k: float(m[np.where(l == k)[0][:20]].astype('f4').mean()) for k in (0, 2)}}\nassert mean[2] > mean[0] + 10, mean\nprint('ok')\n"
+    );
+    let py = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(&script)
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    // inspect on one of the demo files, with a picture
+    let cfg = dir.path().join("d/ailhd.toml");
+    let wav = std::fs::read_dir(dir.path().join("d/MASTER_DATASET/LEAK"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let png = dir.path().join("x.png");
+    let o = std::process::Command::new(bin())
+        .arg("--config")
+        .arg(&cfg)
+        .args(["inspect", "--json", "--png"])
+        .arg(&png)
+        .arg(&wav)
+        .output()
+        .unwrap();
+    let info: serde_json::Value = serde_json::from_str(&ok(&o)).unwrap();
+    assert_eq!(info["shape"], serde_json::json!([40, 2, 64, 1]));
+    assert_eq!(info["sample_rate"], 4096);
+    assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
+}
+
+#[test]
+fn inspect_says_what_is_wrong_with_a_bad_file() {
+    let world = World::new("");
+    let bad = world.dir.path().join("truncated.wav");
+    copy_fixture("truncated", &bad);
+    let o = world.run(&["inspect", bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr).to_lowercase();
+    assert!(
+        err.contains("truncated.wav") && err.contains("truncated"),
+        "{err}"
+    );
+}
+
+#[test]
+fn interrupted_rebuild_leaves_the_old_outputs_in_place() {
+    let world = World::new("");
+    ailhd::synth::write_tree(&world.rec(), &["LEAK", "NORMAL"], 20, 1).unwrap();
+    ok(&world.run(&["rebuild", "--device", "cpu"]));
+    let before = world.status_json();
+    let h5 = world.out().join("TRAINING_DATASET.H5");
+    let bytes_before = std::fs::read(&h5).unwrap();
+    // A much bigger tree, and a rebuild killed part-way.
+    ailhd::synth::write_tree(&world.rec(), &["BACKGROUND", "CRACK"], 1500, 2).unwrap();
+    let mut child = world.cmd(&["rebuild", "--device", "cpu"]).spawn().unwrap();
+    // Kill it as soon as its staged outputs exist (it has thousands of files still to do).
+    let staged = world.out().join(".ailhd-staging/TRAINING_DATASET.H5");
+    let t = std::time::Instant::now();
+    while !staged.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the rebuild never started writing"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the rebuild finished before it could be interrupted"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(
+        std::fs::read(&h5).unwrap(),
+        bytes_before,
+        "old outputs were touched"
+    );
+    let after = world.status_json();
+    assert_eq!(before["splits"], after["splits"]);
+    // The next rebuild completes and takes in everything.
+    ok(&world.run(&["rebuild", "--device", "cpu"]));
+    assert_eq!(world.status_json()["files"]["committed"], 3040);
+}
+
+#[test]
+fn one_writer_at_a_time() {
+    let world = World::new("");
+    std::fs::create_dir_all(world.state()).unwrap();
+    let _held = ailhd::lock::WriterLock::acquire(&world.state(), "run").unwrap();
+    let o = world.run(&["rebuild"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("another ailhd") && err.contains("ailhd run"),
+        "{err}"
+    );
+}

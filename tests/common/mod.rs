@@ -1,0 +1,119 @@
+//! Helpers shared by the behaviour tests: the real binary, temporary trees, configurations,
+//! the shared fixtures, and Python readers (h5py, numpy) as users run them.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_ailhd"))
+}
+
+/// `../shared` beside the repository (CI), or `$AILHD_SHARED`, or `/work/shared`.
+pub fn shared() -> PathBuf {
+    let candidates = [
+        std::env::var_os("AILHD_SHARED").map(PathBuf::from),
+        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared")),
+        Some(PathBuf::from("/work/shared")),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .find(|p| p.join("fixtures/features/cases.json").exists())
+        .expect(
+            "shared fixtures not found: set AILHD_SHARED to the folder holding fixtures/features",
+        )
+}
+
+pub fn fixtures() -> PathBuf {
+    shared().join("fixtures/features")
+}
+
+pub fn cases() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixtures().join("cases.json")).unwrap()).unwrap()
+}
+
+/// A temporary world: recordings, output and state folders, and a configuration file.
+pub struct World {
+    pub dir: tempfile::TempDir,
+    pub config: PathBuf,
+}
+
+impl World {
+    pub fn new(extra_toml: &str) -> World {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::create_dir_all(root.join("rec")).unwrap();
+        let config = root.join("ailhd.toml");
+        let text = format!(
+            "[paths]\nrecordings = {:?}\noutput = {:?}\nstate = {:?}\n{extra_toml}\n",
+            root.join("rec"),
+            root.join("out"),
+            root.join("state")
+        );
+        std::fs::write(&config, text).unwrap();
+        World { dir, config }
+    }
+    pub fn rec(&self) -> PathBuf {
+        self.dir.path().join("rec")
+    }
+    pub fn out(&self) -> PathBuf {
+        self.dir.path().join("out")
+    }
+    pub fn state(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+    pub fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(bin());
+        c.arg("--config").arg(&self.config).args(args);
+        c.env_remove("AILHD_CONFIG");
+        c
+    }
+    pub fn run(&self, args: &[&str]) -> Output {
+        self.cmd(args).output().unwrap()
+    }
+    pub fn status_json(&self) -> serde_json::Value {
+        let o = self.run(&["status", "--json"]);
+        assert!(
+            o.status.success(),
+            "status failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
+}
+
+pub fn copy_fixture(name: &str, to: &Path) {
+    std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+    std::fs::copy(fixtures().join("wav").join(format!("{name}.wav")), to).unwrap();
+}
+
+/// Run a Python checker from tests/py with arguments; panics with its output on failure.
+pub fn python(script: &str, args: &[&str]) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/py")
+        .join(script);
+    let out = Command::new("python3")
+        .arg(&path)
+        .args(args)
+        .output()
+        .expect("python3 is needed for the reader tests (. .ci/setup installs numpy and h5py)");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{script} failed:\n{text}");
+    text
+}
+
+pub fn ok(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).to_string()
+}

@@ -1,0 +1,358 @@
+//! `ailhd run` as systemd runs it, on a temporary tree: files arrive in every way a recorder or
+//! an operator delivers them, while an h5py SWMR reader follows the outputs; then stop, change
+//! the tree while stopped, restart; and SIGKILL at random instants during a stream.
+
+mod common;
+use common::*;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+const FAST: &str = "[ingest]\nsettle_ms = 100\nquarantine_after_s = 2\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n";
+
+struct Service {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Service {
+    fn start(world: &World) -> Service {
+        // A snapshot left by an earlier (killed) run must not pass for this one's.
+        let _ = std::fs::remove_file(world.state().join("status.json"));
+        let n = std::fs::read_dir(world.dir.path()).unwrap().count();
+        let log = world.dir.path().join(format!("run-{n}.log"));
+        let child = world
+            .cmd(&["--verbose", "run"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let s = Service { child, log };
+        // Up once it has written its first status snapshot (after the start-up rescan).
+        s.wait(world, "service up", |st| st["service"].is_object());
+        s
+    }
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+    fn wait(
+        &self,
+        world: &World,
+        what: &str,
+        mut f: impl FnMut(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let t = Instant::now();
+        loop {
+            let snap = std::fs::read_to_string(world.state().join("status.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+            if let Some(s) = snap {
+                if f(&s) {
+                    return s;
+                }
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "timed out waiting for {what}; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    fn terminate(mut self) -> String {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let status = self.child.wait().unwrap();
+        let log = self.log();
+        assert!(status.success(), "run exited with {status:?}; log:\n{log}");
+        log
+    }
+    fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn committed(s: &serde_json::Value) -> u64 {
+    s["files"]["committed"].as_u64().unwrap_or(0)
+}
+
+fn quarantined(s: &serde_json::Value) -> BTreeMap<String, String> {
+    s["quarantined"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|q| {
+                    (
+                        q["path"].as_str().unwrap().to_string(),
+                        q["reason"].as_str().unwrap().to_string(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn fixture_bytes(name: &str) -> Vec<u8> {
+    std::fs::read(fixtures().join("wav").join(format!("{name}.wav"))).unwrap()
+}
+
+fn write_via_rename(rec: &Path, rel: &str, bytes: &[u8]) {
+    let dst = rec.join(rel);
+    std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+    let tmp = dst.with_extension("wav.part");
+    std::fs::write(&tmp, bytes).unwrap();
+    std::fs::rename(&tmp, &dst).unwrap();
+}
+
+/// What the tree holds now: hash -> labels its paths allow.
+fn expected(world: &World) -> serde_json::Value {
+    let names = ailhd::config::Settings::default().labels.names;
+    let mut map: BTreeMap<String, Vec<i16>> = BTreeMap::new();
+    let (files, _) = ailhd::rebuild::scan(&world.rec()).unwrap();
+    for rel in files {
+        let bytes = std::fs::read(world.rec().join(&rel)).unwrap();
+        if ailhd::decode::decode(&bytes, 4096, 40960).is_err() {
+            continue;
+        }
+        let Some(label) = names
+            .iter()
+            .position(|n| rel.split('/').next() == Some(n.as_str()))
+        else {
+            continue;
+        };
+        if !rel.contains('/') {
+            continue;
+        }
+        map.entry(ailhd::identity::hex(&ailhd::identity::content_hash(&bytes)))
+            .or_default()
+            .push(label as i16);
+    }
+    serde_json::to_value(map).unwrap()
+}
+
+/// Rebuild the same tree elsewhere and compare row by row with the daemon's outputs.
+fn compare_with_rebuild(world: &World) {
+    let other = World::new("");
+    let cfg = format!(
+        "[paths]\nrecordings = {:?}\noutput = {:?}\nstate = {:?}\n[ingest]\ndevice = \"cpu\"\n",
+        world.rec(),
+        other.out(),
+        other.state()
+    );
+    std::fs::write(&other.config, cfg).unwrap();
+    ok(&other.run(&["rebuild"]));
+    let spec = serde_json::json!({"daemon_out": world.out(), "rebuild_out": other.out(), "expect": expected(world)});
+    let p = world.dir.path().join("compare.json");
+    std::fs::write(&p, serde_json::to_vec(&spec).unwrap()).unwrap();
+    println!("{}", python("compare_rows.py", &[p.to_str().unwrap()]));
+}
+
+#[test]
+fn ingests_every_kind_of_arrival_and_survives_a_restart() {
+    let world = World::new(FAST);
+    let rec = world.rec();
+    std::fs::create_dir_all(rec.join("LEAK")).unwrap();
+    let svc = Service::start(&world);
+    std::fs::create_dir_all(world.out()).unwrap();
+    let stop = world.dir.path().join("stop-reader");
+    let reader = std::process::Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/swmr_reader.py"))
+        .arg(world.out())
+        .arg(&stop)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+
+    // cp
+    std::fs::copy(
+        fixtures().join("wav/tone_pcm16.wav"),
+        rec.join("LEAK/cp.wav"),
+    )
+    .unwrap();
+    // a slow writer holding the file open, in chunks
+    let slow = fixture_bytes("leak_pcm16");
+    {
+        let mut f = std::fs::File::create(rec.join("LEAK/slow.wav")).unwrap();
+        for chunk in slow.chunks(slow.len() / 8 + 1) {
+            f.write_all(chunk).unwrap();
+            f.flush().unwrap();
+            std::thread::sleep(Duration::from_millis(120));
+        }
+    }
+    // temp name, then rename into place
+    write_via_rename(&rec, "LEAK/renamed.wav", &fixture_bytes("chirp_pcm16"));
+    // a fresh deep folder, written right after mkdir -p
+    let deep = rec.join("NORMAL/site9/2025/01");
+    std::fs::create_dir_all(&deep).unwrap();
+    std::fs::write(
+        deep.join("S009~R1~20250101000000~100.wav"),
+        fixture_bytes("stereo_pcm16"),
+    )
+    .unwrap();
+    // a duplicate of cp.wav under another label
+    std::fs::copy(rec.join("LEAK/cp.wav"), rec.join("NORMAL/dup.wav")).unwrap();
+    let s = svc.wait(&world, "5 files committed", |s| committed(s) == 5);
+    let rows: u64 = ["training", "validation", "testing"]
+        .iter()
+        .map(|k| s["splits"][k]["rows"].as_u64().unwrap())
+        .sum();
+    assert_eq!(rows, 4, "the duplicate shares its row: {s}");
+
+    // move between labels: same row, label updated
+    std::fs::create_dir_all(rec.join("CRACK")).unwrap();
+    std::fs::rename(rec.join("LEAK/renamed.wav"), rec.join("CRACK/renamed.wav")).unwrap();
+    svc.wait(&world, "move relabelled", |s| {
+        s["splits"]
+            .as_object()
+            .unwrap()
+            .values()
+            .any(|v| v["per_label"]["CRACK"].as_u64() == Some(1))
+    });
+    // new bytes at a known path; a deletion
+    std::fs::write(
+        deep.join("S009~R1~20250101000000~100.wav"),
+        fixture_bytes("tone_pcm32"),
+    )
+    .unwrap();
+    std::fs::remove_file(rec.join("LEAK/slow.wav")).unwrap();
+    // every invalid fixture
+    let cases = cases();
+    let invalid: Vec<String> = cases["cases"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(_, c)| c["kind"] == "invalid")
+        .map(|(n, _)| n.clone())
+        .collect();
+    for name in &invalid {
+        std::fs::copy(
+            fixtures().join(format!("wav/{name}.wav")),
+            rec.join(format!("LEAK/bad_{name}.wav")),
+        )
+        .unwrap();
+    }
+    let s = svc.wait(&world, "invalid files quarantined", |s| {
+        quarantined(s).len() == invalid.len()
+    });
+    let q = quarantined(&s);
+    for name in &invalid {
+        let reason = &q[&format!("LEAK/bad_{name}.wav")];
+        assert!(!reason.is_empty(), "{name}: no reason");
+    }
+    assert!(
+        q["LEAK/bad_truncated.wav"]
+            .to_lowercase()
+            .contains("truncated"),
+        "{q:?}"
+    );
+    assert!(
+        q["LEAK/bad_recording_in_progress.wav"]
+            .to_lowercase()
+            .contains("in progress"),
+        "{q:?}"
+    );
+    svc.wait(&world, "overwrite and delete applied", |s| {
+        let valid: u64 = ["training", "validation", "testing"]
+            .iter()
+            .map(|k| s["splits"][k]["valid"].as_u64().unwrap())
+            .sum();
+        let rows: u64 = ["training", "validation", "testing"]
+            .iter()
+            .map(|k| s["splits"][k]["rows"].as_u64().unwrap())
+            .sum();
+        committed(s) == 4 && rows == 5 && valid == 3
+    });
+    let log = svc.terminate();
+    std::fs::write(&stop, b"").unwrap();
+    let r = reader.wait_with_output().unwrap();
+    assert!(
+        r.status.success(),
+        "SWMR reader failed:\n{}{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    assert!(log.contains("quarantined"), "{log}");
+    compare_with_rebuild(&world);
+
+    // Changes while stopped: a new file, a deletion, a modification. Restart reconciles.
+    std::fs::copy(
+        fixtures().join("wav/tone_u8.wav"),
+        rec.join("CRACK/while_down.wav"),
+    )
+    .unwrap();
+    std::fs::remove_file(rec.join("NORMAL/dup.wav")).unwrap();
+    std::fs::write(rec.join("LEAK/cp.wav"), fixture_bytes("leak_float32")).unwrap();
+    let svc = Service::start(&world);
+    svc.wait(&world, "reconciled", |s| {
+        let valid: u64 = ["training", "validation", "testing"]
+            .iter()
+            .map(|k| s["splits"][k]["valid"].as_u64().unwrap())
+            .sum();
+        committed(s) == 4 && valid == 4
+    });
+    svc.terminate();
+    compare_with_rebuild(&world);
+}
+
+#[test]
+fn second_writer_and_changed_settings_are_refused() {
+    let world = World::new(FAST);
+    let svc = Service::start(&world);
+    let o = world.run(&["rebuild"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("another ailhd"));
+    let o = world.run(&["run"]);
+    assert_eq!(o.status.code(), Some(1));
+    // status works while the service holds the manifest
+    let st = world.status_json();
+    assert!(st["writer"].as_str().unwrap().contains("ailhd run"), "{st}");
+    svc.terminate();
+    // other feature settings: run refuses and says to rebuild
+    let text = std::fs::read_to_string(&world.config).unwrap() + "[features]\nn_mels = 32\n";
+    std::fs::write(&world.config, text).unwrap();
+    let o = world.run(&["run"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("rebuild"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn sigkill_at_random_instants_loses_and_duplicates_nothing() {
+    let world = World::new(FAST);
+    let rec = world.rec();
+    let labels = ["LEAK", "NORMAL", "CRACK"];
+    let total = 300usize;
+    let writer_rec = rec.clone();
+    let writer = std::thread::spawn(move || {
+        for i in 0..total {
+            let label = labels[i % 3];
+            let samples = ailhd::synth::clip(label, 1000 + i as u64, 4096, 10.0);
+            let bytes = ailhd::synth::wav_pcm16(&samples, 4096);
+            write_via_rename(
+                &writer_rec,
+                &format!("{label}/{}", ailhd::synth::file_name(i, 3)),
+                &bytes,
+            );
+            std::thread::sleep(Duration::from_millis(4));
+        }
+    });
+    let mut rng = ailhd::synth::Rng::new(42);
+    for _ in 0..6 {
+        let svc = Service::start(&world);
+        std::thread::sleep(Duration::from_millis(50 + rng.next_u64() % 400));
+        svc.kill9();
+    }
+    writer.join().unwrap();
+    let svc = Service::start(&world);
+    svc.wait(&world, "all files committed", |s| {
+        committed(s) == total as u64
+    });
+    svc.terminate();
+    compare_with_rebuild(&world);
+}
