@@ -45,36 +45,46 @@ trait Real:
 }
 
 impl Real for f32 {
+    #[inline(always)]
     fn from_f64(x: f64) -> f32 {
         x as f32
     }
+    #[inline(always)]
     fn from_f32(x: f32) -> f32 {
         x
     }
+    #[inline(always)]
     fn from_i16(x: i16) -> f32 {
         x as f32
     }
+    #[inline(always)]
     fn to_f32(self) -> f32 {
         self
     }
+    #[inline(always)]
     fn sqrt(self) -> f32 {
         f32::sqrt(self)
     }
 }
 
 impl Real for f64 {
+    #[inline(always)]
     fn from_f64(x: f64) -> f64 {
         x
     }
+    #[inline(always)]
     fn from_f32(x: f32) -> f64 {
         x as f64
     }
+    #[inline(always)]
     fn from_i16(x: i16) -> f64 {
         x as f64
     }
+    #[inline(always)]
     fn to_f32(self) -> f32 {
         self as f32
     }
+    #[inline(always)]
     fn sqrt(self) -> f64 {
         f64::sqrt(self)
     }
@@ -95,7 +105,9 @@ struct Bin(Lanes);
 
 /// [`LANES`] lanes of one element type and the operations the kernels use. Kernels are generic
 /// over it and `inline(always)`, so each is compiled once per implementation: [`Portable`]
-/// (plain arrays, any CPU) and the AVX ones. All perform the same IEEE operations in the same
+/// (plain arrays, any CPU) and the AVX ones. The per-recording path avoids closures and
+/// `std::array::from_fn`: LLVM may decline to inline those, and an AVX intrinsic left in a
+/// function compiled without AVX becomes a call (20x slower, seen). All perform the same IEEE operations in the same
 /// order (Rust never fuses a * b + c), so every build gives the same bits.
 trait Vector: Copy {
     type Elem: Real;
@@ -131,17 +143,6 @@ impl Isa for PortableIsa {
     type F64 = Portable<f64>;
 }
 
-impl<E: Real> Portable<E> {
-    #[inline(always)]
-    fn zip(self, o: Self, f: impl Fn(E, E) -> E) -> Self {
-        let mut r = self.0;
-        for (x, y) in r.iter_mut().zip(o.0) {
-            *x = f(*x, y);
-        }
-        Portable(r)
-    }
-}
-
 impl<E: Real> Vector for Portable<E> {
     type Elem = E;
     #[inline(always)]
@@ -158,35 +159,69 @@ impl<E: Real> Vector for Portable<E> {
     }
     #[inline(always)]
     fn from_i16(a: &[i16]) -> Self {
-        Portable(std::array::from_fn(|i| E::from_i16(a[i])))
+        let mut r = [E::default(); LANES];
+        for (x, &q) in r.iter_mut().zip(&a[..LANES]) {
+            *x = E::from_i16(q);
+        }
+        Portable(r)
     }
     #[inline(always)]
     fn from_f32(a: &[f32]) -> Self {
-        Portable(std::array::from_fn(|i| E::from_f32(a[i])))
+        let mut r = [E::default(); LANES];
+        for (x, &q) in r.iter_mut().zip(&a[..LANES]) {
+            *x = E::from_f32(q);
+        }
+        Portable(r)
     }
     #[inline(always)]
     fn to_f32(self) -> Lanes {
-        self.0.map(E::to_f32)
+        let mut r = [0.0; LANES];
+        for (x, &q) in r.iter_mut().zip(&self.0) {
+            *x = q.to_f32();
+        }
+        r
     }
     #[inline(always)]
     fn add(self, o: Self) -> Self {
-        self.zip(o, |a, b| a + b)
+        let mut r = self.0;
+        for (x, &y) in r.iter_mut().zip(&o.0) {
+            *x = *x + y;
+        }
+        Portable(r)
     }
     #[inline(always)]
     fn sub(self, o: Self) -> Self {
-        self.zip(o, |a, b| a - b)
+        let mut r = self.0;
+        for (x, &y) in r.iter_mut().zip(&o.0) {
+            *x = *x - y;
+        }
+        Portable(r)
     }
     #[inline(always)]
     fn mul(self, o: Self) -> Self {
-        self.zip(o, |a, b| a * b)
+        let mut r = self.0;
+        for (x, &y) in r.iter_mut().zip(&o.0) {
+            *x = *x * y;
+        }
+        Portable(r)
     }
     #[inline(always)]
     fn sqrt(self) -> Self {
-        Portable(self.0.map(E::sqrt))
+        let mut r = self.0;
+        for x in r.iter_mut() {
+            *x = x.sqrt();
+        }
+        Portable(r)
     }
     #[inline(always)]
     fn transpose(rows: [Self; LANES]) -> [Self; LANES] {
-        std::array::from_fn(|l| Portable(std::array::from_fn(|i| rows[i].0[l])))
+        let mut cols = rows;
+        for (l, col) in cols.iter_mut().enumerate() {
+            for (i, x) in col.0.iter_mut().enumerate() {
+                *x = rows[i].0[l];
+            }
+        }
+        cols
     }
 }
 
@@ -292,13 +327,6 @@ mod avx {
     #[derive(Clone, Copy)]
     pub(super) struct Avx64(__m256d, __m256d);
 
-    impl Avx64 {
-        #[inline(always)]
-        fn each(self, o: Self, f: impl Fn(__m256d, __m256d) -> __m256d) -> Self {
-            Avx64(f(self.0, o.0), f(self.1, o.1))
-        }
-    }
-
     /// 4x4 transpose of f64 rows.
     #[inline(always)]
     unsafe fn transpose4(a: __m256d, b: __m256d, c: __m256d, d: __m256d) -> [__m256d; 4] {
@@ -368,15 +396,15 @@ mod avx {
         }
         #[inline(always)]
         fn add(self, o: Self) -> Self {
-            self.each(o, |a, b| unsafe { _mm256_add_pd(a, b) })
+            unsafe { Avx64(_mm256_add_pd(self.0, o.0), _mm256_add_pd(self.1, o.1)) }
         }
         #[inline(always)]
         fn sub(self, o: Self) -> Self {
-            self.each(o, |a, b| unsafe { _mm256_sub_pd(a, b) })
+            unsafe { Avx64(_mm256_sub_pd(self.0, o.0), _mm256_sub_pd(self.1, o.1)) }
         }
         #[inline(always)]
         fn mul(self, o: Self) -> Self {
-            self.each(o, |a, b| unsafe { _mm256_mul_pd(a, b) })
+            unsafe { Avx64(_mm256_mul_pd(self.0, o.0), _mm256_mul_pd(self.1, o.1)) }
         }
         #[inline(always)]
         fn sqrt(self) -> Self {
@@ -390,13 +418,16 @@ mod avx {
                 let bottom_lo = transpose4(r[4].0, r[5].0, r[6].0, r[7].0);
                 let top_hi = transpose4(r[0].1, r[1].1, r[2].1, r[3].1);
                 let bottom_hi = transpose4(r[4].1, r[5].1, r[6].1, r[7].1);
-                std::array::from_fn(|l| {
-                    if l < 4 {
-                        Avx64(top_lo[l], bottom_lo[l])
-                    } else {
-                        Avx64(top_hi[l - 4], bottom_hi[l - 4])
-                    }
-                })
+                [
+                    Avx64(top_lo[0], bottom_lo[0]),
+                    Avx64(top_lo[1], bottom_lo[1]),
+                    Avx64(top_lo[2], bottom_lo[2]),
+                    Avx64(top_lo[3], bottom_lo[3]),
+                    Avx64(top_hi[0], bottom_hi[0]),
+                    Avx64(top_hi[1], bottom_hi[1]),
+                    Avx64(top_hi[2], bottom_hi[2]),
+                    Avx64(top_hi[3], bottom_hi[3]),
+                ]
             }
         }
     }
@@ -609,22 +640,21 @@ impl<E: Real> LaneFft<E> {
         }
     }
 
-    /// Z (the transform of the packed even + j odd samples) -> `finish(|X_k|^2)`, rounded to
-    /// f32, for k in 0..=n/2, where X_k = (Z_k + conj Z_{m-k}) / 2 - j w^k (Z_k - conj Z_{m-k})
+    /// Z (the transform of the packed even + j odd samples) -> `power` applied to |X_k|^2
+    /// rounded to f32, for k in 0..=n/2, where X_k = (Z_k + conj Z_{m-k}) / 2 - j w^k (Z_k - conj Z_{m-k})
     /// / 2, w = exp(-2 pi i / n). Bins k and m - k share their inputs, so they are made together.
     #[inline(always)]
     fn untangle<V: Vector<Elem = E>, F: Vector<Elem = f32>>(
         &self,
         z: &[Cx<E>],
         out: &mut [Bin],
-        finish: impl Fn(F) -> F,
+        power: Power,
     ) {
-        let put = |bin: &mut Bin, power: V| finish(F::load(&power.to_f32())).store(&mut bin.0);
         let m = self.n / 2;
         let z0 = Cv::<V>::load(&z[0]);
         let (first, last) = (z0.re.add(z0.im), z0.re.sub(z0.im));
-        put(&mut out[0], first.mul(first));
-        put(&mut out[m], last.mul(last));
+        power.store::<V, F>(first.mul(first), &mut out[0]);
+        power.store::<V, F>(last.mul(last), &mut out[m]);
         let half = V::splat(E::from_f64(0.5));
         for k in 1..=m / 2 {
             let a = Cv::<V>::load(&z[self.position[k]]);
@@ -650,8 +680,8 @@ impl<E: Real> LaneFft<E> {
                 re: half_s.re.sub(t.re),
                 im: t.im.sub(half_s.im),
             };
-            put(&mut out[k], x.norm_sqr());
-            put(&mut out[m - k], y.norm_sqr());
+            power.store::<V, F>(x.norm_sqr(), &mut out[k]);
+            power.store::<V, F>(y.norm_sqr(), &mut out[m - k]);
         }
     }
 }
@@ -668,14 +698,20 @@ fn pack<V: Vector, T>(
     load8: impl Fn(&[T]) -> V,
 ) {
     let n = window.len();
-    let frames: [&[T]; LANES] = std::array::from_fn(|l| &samples[offsets[l]..offsets[l] + n]);
+    let mut frames: [&[T]; LANES] = [&[]; LANES];
+    for (frame, &offset) in frames.iter_mut().zip(offsets) {
+        *frame = &samples[offset..offset + n];
+    }
     for (blk, (w, out)) in window
         .chunks_exact(8)
         .zip(z.chunks_exact_mut(4))
         .enumerate()
     {
         let w = V::load(w.try_into().expect("chunks of 8"));
-        let rows: [V; 8] = std::array::from_fn(|l| load8(&frames[l][blk * 8..]).mul(w));
+        let mut rows = [w; LANES];
+        for (row, frame) in rows.iter_mut().zip(&frames) {
+            *row = load8(&frame[blk * 8..]).mul(w);
+        }
         let cols = V::transpose(rows);
         for (i, point) in out.iter_mut().enumerate() {
             cols[2 * i].store(&mut point.re);
@@ -734,13 +770,26 @@ enum Power {
 }
 
 impl Power {
+    /// |X|^2 -> the spectrogram value.
     #[inline(always)]
     fn apply<F: Vector<Elem = f32>>(self, p: F) -> F {
         match self {
             Power::Magnitude => p.sqrt(),
             Power::Energy => p,
-            Power::Other(e) => F::load(&p.to_f32().map(|x| x.powf(e))),
+            Power::Other(e) => {
+                let mut a = p.to_f32();
+                for x in a.iter_mut() {
+                    *x = x.powf(e);
+                }
+                F::load(&a)
+            }
         }
+    }
+
+    /// |X|^2 in the FFT's precision -> f32 -> the spectrogram value, into `bin`.
+    #[inline(always)]
+    fn store<V: Vector, F: Vector<Elem = f32>>(self, p: V, bin: &mut Bin) {
+        self.apply(F::load(&p.to_f32())).store(&mut bin.0);
     }
 }
 
@@ -899,8 +948,10 @@ impl Plan {
         let t_frames = self.shape.t_frames;
         for group in self.frames.chunks(LANES) {
             // Lanes past the last frame redo the group's first frame; their results are dropped.
-            let offsets: [usize; LANES] =
-                std::array::from_fn(|l| group.get(l).unwrap_or(&group[0]).0);
+            let mut offsets = [group[0].0; LANES];
+            for (offset, frame) in offsets.iter_mut().zip(group) {
+                *offset = frame.0;
+            }
             self.spectrogram::<I>(wav, &offsets, s);
             for (filter, out) in self.mel.filters.iter().zip(s.mels.iter_mut()) {
                 let mut acc = I::F32::splat(0.0);
@@ -909,9 +960,33 @@ impl Plan {
                 }
                 acc.store(&mut out.0);
             }
-            for (lane, &(_, base)) in group.iter().enumerate() {
-                for (j, m) in s.mels.iter().enumerate() {
-                    s.row[base + j * t_frames] = m.0[lane];
+            if t_frames == 1 && group.len() == LANES {
+                // Each frame's mels are contiguous in the row: transpose 8 mels x 8 frames
+                // blocks in registers and store whole vectors.
+                for (j0, block) in s.mels.chunks(LANES).enumerate() {
+                    let mut rows = [I::F32::splat(0.0); LANES];
+                    for (row, m) in rows.iter_mut().zip(block) {
+                        *row = I::F32::load(&m.0);
+                    }
+                    let cols = I::F32::transpose(rows);
+                    for (col, &(_, base)) in cols.iter().zip(group) {
+                        let start = base + j0 * LANES;
+                        let lanes = block.len();
+                        if lanes == LANES {
+                            let dst: &mut Lanes = (&mut s.row[start..start + LANES])
+                                .try_into()
+                                .expect("8 values");
+                            col.store(dst);
+                        } else {
+                            s.row[start..start + lanes].copy_from_slice(&col.to_f32()[..lanes]);
+                        }
+                    }
+                }
+            } else {
+                for (lane, &(_, base)) in group.iter().enumerate() {
+                    for (j, m) in s.mels.iter().enumerate() {
+                        s.row[base + j * t_frames] = m.0[lane];
+                    }
                 }
             }
         }
@@ -925,11 +1000,11 @@ impl Plan {
         match &self.engine {
             Engine::F32(fft) => {
                 fft.transform_frames::<I::F32>(wav, offsets, &mut s.z32);
-                fft.untangle::<I::F32, I::F32>(&s.z32, &mut s.spec, |p| power.apply(p));
+                fft.untangle::<I::F32, I::F32>(&s.z32, &mut s.spec, power);
             }
             Engine::F64(fft) => {
                 fft.transform_frames::<I::F64>(wav, offsets, &mut s.z64);
-                fft.untangle::<I::F64, I::F32>(&s.z64, &mut s.spec, |p| power.apply(p));
+                fft.untangle::<I::F64, I::F32>(&s.z64, &mut s.spec, power);
             }
             Engine::RealFft { fft, window } => {
                 for (lane, &offset) in offsets.iter().enumerate() {
@@ -1198,7 +1273,8 @@ mod tests {
     }
 
     /// Several STFT frames per short window (t_frames > 1), the other scale and norm, a
-    /// non-power-of-two FFT (realfft engine), an unusual power and a band-limited filterbank.
+    /// non-power-of-two FFT (realfft engine), an unusual power, a band-limited filterbank, a mel
+    /// count that is not a multiple of the lane count.
     #[test]
     fn other_settings_match_the_f64_reference() {
         let base = FeatureSettings {
@@ -1222,6 +1298,11 @@ mod tests {
                 f_max: Some(1800.0),
                 db: DbMode::AmplitudeToDb,
                 top_db: Some(60.0),
+                ..base.clone()
+            },
+            FeatureSettings {
+                n_mels: 20,
+                mel_scale: MelScale::Slaney,
                 ..base.clone()
             },
             FeatureSettings {
