@@ -1,17 +1,19 @@
-//! CPU featuriser: float32 real FFTs, a sparse mel filterbank and a vectorised logarithm, one
-//! recording per task on a dedicated rayon pool. This is the bulk-rebuild hot path: nothing here
-//! allocates once the featuriser is built.
+//! CPU featuriser: real FFTs, a sparse mel filterbank and a vectorised logarithm, one recording
+//! per task on a dedicated rayon pool. This is the bulk-rebuild hot path: nothing here allocates
+//! once the featuriser is built.
 //!
 //! The FFT is our own and "lane-parallel": [`LANES`] STFT frames go through one radix-4 FFT
 //! together, frame `l` in SIMD lane `l`, so every butterfly is a full-width vector operation
 //! without shuffles, and the spectrum comes out bin-major (`[bin][lane]`), the layout in which
 //! the filterbank is one vector multiply-add per weight. (With realfft, one frame at a time, its
 //! scalar real-to-complex post-processing and our transposition cost more than the FFT itself.)
-//! realfft remains for FFT sizes that are not a power of two.
+//! The FFT runs in f64 or f32 as the accuracy rule requires ([`Precision`]); everything after it
+//! (magnitude, filterbank, logarithm) in f32. realfft (f64) remains for FFT sizes that are not a
+//! power of two.
 
 use super::mel::{self, SparseMel};
 use super::Featuriser;
-use crate::config::{FeatureSettings, FeatureShape};
+use crate::config::{DbMode, FeatureSettings, FeatureShape};
 use crate::decode::Waveform;
 use anyhow::Context;
 use half::f16;
@@ -21,99 +23,202 @@ use realfft::num_complex::Complex;
 use realfft::{RealFftPlanner, RealToComplex};
 use std::sync::{Arc, Mutex};
 
-/// Frames processed together, one per SIMD lane: 8 f32 fill an AVX register.
+/// Frames processed together, one per SIMD lane.
 const LANES: usize = 8;
 type Lanes = [f32; LANES];
 
-/// One complex value per lane. 64 bytes, aligned: one FFT point is one cache line.
-#[derive(Clone, Copy, Default)]
-#[repr(C, align(64))]
-struct C {
-    re: Lanes,
-    im: Lanes,
+/// The element type of an FFT: f32 or f64 (see [`Precision`]).
+trait Real:
+    Copy
+    + Default
+    + Send
+    + Sync
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+{
+    fn from_f64(x: f64) -> Self;
+    fn from_f32(x: f32) -> Self;
+    fn from_i16(x: i16) -> Self;
+    fn to_f32(self) -> f32;
+    fn sqrt(self) -> Self;
 }
 
-/// One real value per lane, aligned for whole-register loads.
+impl Real for f32 {
+    #[inline(always)]
+    fn from_f64(x: f64) -> f32 {
+        x as f32
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
+    #[inline(always)]
+    fn from_i16(x: i16) -> f32 {
+        x as f32
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn sqrt(self) -> f32 {
+        f32::sqrt(self)
+    }
+}
+
+impl Real for f64 {
+    #[inline(always)]
+    fn from_f64(x: f64) -> f64 {
+        x
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> f64 {
+        x as f64
+    }
+    #[inline(always)]
+    fn from_i16(x: i16) -> f64 {
+        x as f64
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    #[inline(always)]
+    fn sqrt(self) -> f64 {
+        f64::sqrt(self)
+    }
+}
+
+/// One complex value per lane. Aligned to a cache line (one line per point in f32).
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(64))]
+struct Cx<E> {
+    re: [E; LANES],
+    im: [E; LANES],
+}
+
+/// One f32 value per lane, aligned for whole-register loads.
 #[derive(Clone, Copy, Default)]
 #[repr(C, align(32))]
 struct Bin(Lanes);
 
-/// The lane-wise operations the kernels use, with two implementations: [`Portable`] (plain
-/// arrays, any CPU) and `Avx` (256-bit registers). Kernels are generic over it and
-/// `inline(always)`, so each is compiled once per implementation. Both perform the same IEEE
-/// operations in the same order (Rust never fuses a * b + c), so they give the same bits.
+/// [`LANES`] lanes of one element type and the operations the kernels use. Kernels are generic
+/// over it and `inline(always)`, so each is compiled once per implementation: [`Portable`]
+/// (plain arrays, any CPU) and the AVX ones. The per-recording path avoids closures and
+/// `std::array::from_fn`: LLVM may decline to inline those, and an AVX intrinsic left in a
+/// function compiled without AVX becomes a call (20x slower, seen). All perform the same IEEE operations in the same
+/// order (Rust never fuses a * b + c), so every build gives the same bits.
 trait Vector: Copy {
-    fn splat(x: f32) -> Self;
-    fn load(a: &Lanes) -> Self;
-    fn store(self, a: &mut Lanes);
-    /// Eight int16 samples, as f32.
+    type Elem: Real;
+    fn splat(x: Self::Elem) -> Self;
+    fn load(a: &[Self::Elem; LANES]) -> Self;
+    fn store(self, a: &mut [Self::Elem; LANES]);
+    /// The first [`LANES`] samples of `a`, converted.
     fn from_i16(a: &[i16]) -> Self;
+    fn from_f32(a: &[f32]) -> Self;
+    /// Rounded to nearest.
+    fn to_f32(self) -> Lanes;
     fn add(self, o: Self) -> Self;
     fn sub(self, o: Self) -> Self;
     fn mul(self, o: Self) -> Self;
     fn sqrt(self) -> Self;
-    /// Row i, lane l -> row l, lane i.
-    fn transpose(rows: [Self; 8]) -> [Self; 8];
+    /// Lane l of row i -> lane i of row l.
+    fn transpose(rows: [Self; LANES]) -> [Self; LANES];
 }
 
-/// Plain arrays: the reference implementation, and the build for CPUs without AVX2.
+/// The vector types of one build.
+trait Isa {
+    type F32: Vector<Elem = f32>;
+    type F64: Vector<Elem = f64>;
+}
+
+/// Plain arrays: the reference build, and the one for CPUs without AVX2.
 #[derive(Clone, Copy)]
-struct Portable(Lanes);
+struct Portable<E>([E; LANES]);
 
-impl Portable {
-    #[inline(always)]
-    fn map(self, o: Self, f: impl Fn(f32, f32) -> f32) -> Self {
-        let mut r = self.0;
-        for (x, y) in r.iter_mut().zip(o.0) {
-            *x = f(*x, y);
-        }
-        Portable(r)
-    }
+struct PortableIsa;
+impl Isa for PortableIsa {
+    type F32 = Portable<f32>;
+    type F64 = Portable<f64>;
 }
 
-impl Vector for Portable {
+impl<E: Real> Vector for Portable<E> {
+    type Elem = E;
     #[inline(always)]
-    fn splat(x: f32) -> Self {
+    fn splat(x: E) -> Self {
         Portable([x; LANES])
     }
     #[inline(always)]
-    fn load(a: &Lanes) -> Self {
+    fn load(a: &[E; LANES]) -> Self {
         Portable(*a)
     }
     #[inline(always)]
-    fn store(self, a: &mut Lanes) {
+    fn store(self, a: &mut [E; LANES]) {
         *a = self.0;
     }
     #[inline(always)]
     fn from_i16(a: &[i16]) -> Self {
-        let mut r = [0.0; LANES];
+        let mut r = [E::default(); LANES];
         for (x, &q) in r.iter_mut().zip(&a[..LANES]) {
-            *x = q as f32;
+            *x = E::from_i16(q);
         }
         Portable(r)
     }
     #[inline(always)]
+    fn from_f32(a: &[f32]) -> Self {
+        let mut r = [E::default(); LANES];
+        for (x, &q) in r.iter_mut().zip(&a[..LANES]) {
+            *x = E::from_f32(q);
+        }
+        Portable(r)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> Lanes {
+        let mut r = [0.0; LANES];
+        for (x, &q) in r.iter_mut().zip(&self.0) {
+            *x = q.to_f32();
+        }
+        r
+    }
+    #[inline(always)]
     fn add(self, o: Self) -> Self {
-        self.map(o, |a, b| a + b)
+        let mut r = self.0;
+        for (x, &y) in r.iter_mut().zip(&o.0) {
+            *x = *x + y;
+        }
+        Portable(r)
     }
     #[inline(always)]
     fn sub(self, o: Self) -> Self {
-        self.map(o, |a, b| a - b)
+        let mut r = self.0;
+        for (x, &y) in r.iter_mut().zip(&o.0) {
+            *x = *x - y;
+        }
+        Portable(r)
     }
     #[inline(always)]
     fn mul(self, o: Self) -> Self {
-        self.map(o, |a, b| a * b)
+        let mut r = self.0;
+        for (x, &y) in r.iter_mut().zip(&o.0) {
+            *x = *x * y;
+        }
+        Portable(r)
     }
     #[inline(always)]
     fn sqrt(self) -> Self {
-        self.map(self, |a, _| a.sqrt())
+        let mut r = self.0;
+        for x in r.iter_mut() {
+            *x = x.sqrt();
+        }
+        Portable(r)
     }
     #[inline(always)]
-    fn transpose(rows: [Self; 8]) -> [Self; 8] {
-        let mut cols = [Portable([0.0; LANES]); 8];
-        for (i, col) in cols.iter_mut().enumerate() {
-            for (l, x) in col.0.iter_mut().enumerate() {
-                *x = rows[l].0[i];
+    fn transpose(rows: [Self; LANES]) -> [Self; LANES] {
+        let mut cols = rows;
+        for (l, col) in cols.iter_mut().enumerate() {
+            for (i, x) in col.0.iter_mut().enumerate() {
+                *x = rows[i].0[l];
             }
         }
         cols
@@ -122,22 +227,29 @@ impl Vector for Portable {
 
 #[cfg(target_arch = "x86_64")]
 mod avx {
-    //! SAFETY (for every `unsafe` block here): `Avx` values are only made inside
-    //! `Plan::db_row_avx2`, which runs only on CPUs that have AVX2.
-    use super::{Lanes, Vector};
+    //! SAFETY (for every `unsafe` block here): these types are only used through `AvxIsa`,
+    //! which only `Plan::db_row_avx2` instantiates, and that runs only on CPUs with AVX2.
+    use super::{Isa, Lanes, Vector, LANES};
     use std::arch::x86_64::*;
 
-    #[derive(Clone, Copy)]
-    pub(super) struct Avx(__m256);
+    pub(super) struct AvxIsa;
+    impl Isa for AvxIsa {
+        type F32 = Avx32;
+        type F64 = Avx64;
+    }
 
-    impl Vector for Avx {
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx32(__m256);
+
+    impl Vector for Avx32 {
+        type Elem = f32;
         #[inline(always)]
         fn splat(x: f32) -> Self {
-            unsafe { Avx(_mm256_set1_ps(x)) }
+            unsafe { Avx32(_mm256_set1_ps(x)) }
         }
         #[inline(always)]
         fn load(a: &Lanes) -> Self {
-            unsafe { Avx(_mm256_loadu_ps(a.as_ptr())) }
+            unsafe { Avx32(_mm256_loadu_ps(a.as_ptr())) }
         }
         #[inline(always)]
         fn store(self, a: &mut Lanes) {
@@ -145,31 +257,41 @@ mod avx {
         }
         #[inline(always)]
         fn from_i16(a: &[i16]) -> Self {
-            let a = &a[..8];
+            let a = &a[..LANES];
             unsafe {
                 let q = _mm_loadu_si128(a.as_ptr().cast());
-                Avx(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(q)))
+                Avx32(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(q)))
             }
         }
         #[inline(always)]
+        fn from_f32(a: &[f32]) -> Self {
+            Self::load(a[..LANES].try_into().expect("8 lanes"))
+        }
+        #[inline(always)]
+        fn to_f32(self) -> Lanes {
+            let mut a = [0.0; LANES];
+            self.store(&mut a);
+            a
+        }
+        #[inline(always)]
         fn add(self, o: Self) -> Self {
-            unsafe { Avx(_mm256_add_ps(self.0, o.0)) }
+            unsafe { Avx32(_mm256_add_ps(self.0, o.0)) }
         }
         #[inline(always)]
         fn sub(self, o: Self) -> Self {
-            unsafe { Avx(_mm256_sub_ps(self.0, o.0)) }
+            unsafe { Avx32(_mm256_sub_ps(self.0, o.0)) }
         }
         #[inline(always)]
         fn mul(self, o: Self) -> Self {
-            unsafe { Avx(_mm256_mul_ps(self.0, o.0)) }
+            unsafe { Avx32(_mm256_mul_ps(self.0, o.0)) }
         }
         #[inline(always)]
         fn sqrt(self) -> Self {
-            unsafe { Avx(_mm256_sqrt_ps(self.0)) }
+            unsafe { Avx32(_mm256_sqrt_ps(self.0)) }
         }
         /// The classic unpack / shuffle / permute transpose: 24 shuffles.
         #[inline(always)]
-        fn transpose(r: [Self; 8]) -> [Self; 8] {
+        fn transpose(r: [Self; LANES]) -> [Self; LANES] {
             unsafe {
                 let t0 = _mm256_unpacklo_ps(r[0].0, r[1].0);
                 let t1 = _mm256_unpackhi_ps(r[0].0, r[1].0);
@@ -188,14 +310,123 @@ mod avx {
                 let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
                 let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
                 [
-                    Avx(_mm256_permute2f128_ps::<0x20>(s0, s4)),
-                    Avx(_mm256_permute2f128_ps::<0x20>(s1, s5)),
-                    Avx(_mm256_permute2f128_ps::<0x20>(s2, s6)),
-                    Avx(_mm256_permute2f128_ps::<0x20>(s3, s7)),
-                    Avx(_mm256_permute2f128_ps::<0x31>(s0, s4)),
-                    Avx(_mm256_permute2f128_ps::<0x31>(s1, s5)),
-                    Avx(_mm256_permute2f128_ps::<0x31>(s2, s6)),
-                    Avx(_mm256_permute2f128_ps::<0x31>(s3, s7)),
+                    Avx32(_mm256_permute2f128_ps::<0x20>(s0, s4)),
+                    Avx32(_mm256_permute2f128_ps::<0x20>(s1, s5)),
+                    Avx32(_mm256_permute2f128_ps::<0x20>(s2, s6)),
+                    Avx32(_mm256_permute2f128_ps::<0x20>(s3, s7)),
+                    Avx32(_mm256_permute2f128_ps::<0x31>(s0, s4)),
+                    Avx32(_mm256_permute2f128_ps::<0x31>(s1, s5)),
+                    Avx32(_mm256_permute2f128_ps::<0x31>(s2, s6)),
+                    Avx32(_mm256_permute2f128_ps::<0x31>(s3, s7)),
+                ]
+            }
+        }
+    }
+
+    /// Eight f64 in two registers: lanes 0-3, lanes 4-7.
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx64(__m256d, __m256d);
+
+    /// 4x4 transpose of f64 rows.
+    #[inline(always)]
+    unsafe fn transpose4(a: __m256d, b: __m256d, c: __m256d, d: __m256d) -> [__m256d; 4] {
+        let t0 = _mm256_unpacklo_pd(a, b);
+        let t1 = _mm256_unpackhi_pd(a, b);
+        let t2 = _mm256_unpacklo_pd(c, d);
+        let t3 = _mm256_unpackhi_pd(c, d);
+        [
+            _mm256_permute2f128_pd::<0x20>(t0, t2),
+            _mm256_permute2f128_pd::<0x20>(t1, t3),
+            _mm256_permute2f128_pd::<0x31>(t0, t2),
+            _mm256_permute2f128_pd::<0x31>(t1, t3),
+        ]
+    }
+
+    impl Vector for Avx64 {
+        type Elem = f64;
+        #[inline(always)]
+        fn splat(x: f64) -> Self {
+            unsafe { Avx64(_mm256_set1_pd(x), _mm256_set1_pd(x)) }
+        }
+        #[inline(always)]
+        fn load(a: &[f64; LANES]) -> Self {
+            unsafe {
+                Avx64(
+                    _mm256_loadu_pd(a.as_ptr()),
+                    _mm256_loadu_pd(a[4..].as_ptr()),
+                )
+            }
+        }
+        #[inline(always)]
+        fn store(self, a: &mut [f64; LANES]) {
+            unsafe {
+                _mm256_storeu_pd(a.as_mut_ptr(), self.0);
+                _mm256_storeu_pd(a[4..].as_mut_ptr(), self.1);
+            }
+        }
+        #[inline(always)]
+        fn from_i16(a: &[i16]) -> Self {
+            let a = &a[..LANES];
+            unsafe {
+                let q = _mm_loadu_si128(a.as_ptr().cast());
+                Avx64(
+                    _mm256_cvtepi32_pd(_mm_cvtepi16_epi32(q)),
+                    _mm256_cvtepi32_pd(_mm_cvtepi16_epi32(_mm_srli_si128::<8>(q))),
+                )
+            }
+        }
+        #[inline(always)]
+        fn from_f32(a: &[f32]) -> Self {
+            let a = &a[..LANES];
+            unsafe {
+                Avx64(
+                    _mm256_cvtps_pd(_mm_loadu_ps(a.as_ptr())),
+                    _mm256_cvtps_pd(_mm_loadu_ps(a[4..].as_ptr())),
+                )
+            }
+        }
+        #[inline(always)]
+        fn to_f32(self) -> Lanes {
+            let mut a = [0.0; LANES];
+            unsafe {
+                _mm_storeu_ps(a.as_mut_ptr(), _mm256_cvtpd_ps(self.0));
+                _mm_storeu_ps(a[4..].as_mut_ptr(), _mm256_cvtpd_ps(self.1));
+            }
+            a
+        }
+        #[inline(always)]
+        fn add(self, o: Self) -> Self {
+            unsafe { Avx64(_mm256_add_pd(self.0, o.0), _mm256_add_pd(self.1, o.1)) }
+        }
+        #[inline(always)]
+        fn sub(self, o: Self) -> Self {
+            unsafe { Avx64(_mm256_sub_pd(self.0, o.0), _mm256_sub_pd(self.1, o.1)) }
+        }
+        #[inline(always)]
+        fn mul(self, o: Self) -> Self {
+            unsafe { Avx64(_mm256_mul_pd(self.0, o.0), _mm256_mul_pd(self.1, o.1)) }
+        }
+        #[inline(always)]
+        fn sqrt(self) -> Self {
+            unsafe { Avx64(_mm256_sqrt_pd(self.0), _mm256_sqrt_pd(self.1)) }
+        }
+        /// Four 4x4 transposes: the quadrants swap across the diagonal.
+        #[inline(always)]
+        fn transpose(r: [Self; LANES]) -> [Self; LANES] {
+            unsafe {
+                let top_lo = transpose4(r[0].0, r[1].0, r[2].0, r[3].0);
+                let bottom_lo = transpose4(r[4].0, r[5].0, r[6].0, r[7].0);
+                let top_hi = transpose4(r[0].1, r[1].1, r[2].1, r[3].1);
+                let bottom_hi = transpose4(r[4].1, r[5].1, r[6].1, r[7].1);
+                [
+                    Avx64(top_lo[0], bottom_lo[0]),
+                    Avx64(top_lo[1], bottom_lo[1]),
+                    Avx64(top_lo[2], bottom_lo[2]),
+                    Avx64(top_lo[3], bottom_lo[3]),
+                    Avx64(top_hi[0], bottom_hi[0]),
+                    Avx64(top_hi[1], bottom_hi[1]),
+                    Avx64(top_hi[2], bottom_hi[2]),
+                    Avx64(top_hi[3], bottom_hi[3]),
                 ]
             }
         }
@@ -211,14 +442,14 @@ struct Cv<V> {
 
 impl<V: Vector> Cv<V> {
     #[inline(always)]
-    fn load(c: &C) -> Self {
+    fn load(c: &Cx<V::Elem>) -> Self {
         Cv {
             re: V::load(&c.re),
             im: V::load(&c.im),
         }
     }
     #[inline(always)]
-    fn store(self, c: &mut C) {
+    fn store(self, c: &mut Cx<V::Elem>) {
         self.re.store(&mut c.re);
         self.im.store(&mut c.im);
     }
@@ -254,10 +485,11 @@ impl<V: Vector> Cv<V> {
     }
     /// self * w, w the same for every lane.
     #[inline(always)]
-    fn mul_w(self, w: &(V, V)) -> Self {
+    fn mul_w(self, w: (V::Elem, V::Elem)) -> Self {
+        let (c, s) = (V::splat(w.0), V::splat(w.1));
         Cv {
-            re: self.re.mul(w.0).sub(self.im.mul(w.1)),
-            im: self.re.mul(w.1).add(self.im.mul(w.0)),
+            re: self.re.mul(c).sub(self.im.mul(s)),
+            im: self.re.mul(s).add(self.im.mul(c)),
         }
     }
     /// |self|^2.
@@ -268,38 +500,43 @@ impl<V: Vector> Cv<V> {
 }
 
 /// exp(-2 pi i k / n), computed in f64 and rounded once.
-fn twiddle(k: usize, n: usize) -> (f32, f32) {
+fn twiddle<E: Real>(k: usize, n: usize) -> (E, E) {
     let a = -2.0 * std::f64::consts::PI * k as f64 / n as f64;
-    (a.cos() as f32, a.sin() as f32)
+    (E::from_f64(a.cos()), E::from_f64(a.sin()))
 }
 
 /// One in-place decimation-in-frequency pass: every block of `span` points is split into 4 (or,
 /// for span 2, 2) interleaved sub-transforms of span / 4 points.
-struct Pass {
+struct Pass<E> {
     span: usize,
     /// (w^p, w^2p, w^3p) for p in 0..span/4, w = exp(-2 pi i / span).
-    twiddles: Vec<[(f32, f32); 3]>,
+    twiddles: Vec<[(E, E); 3]>,
 }
 
-/// Real FFT of a power-of-two length `n` >= 16 for [`LANES`] frames at once: the n real samples
-/// are packed as n/2 complex ones (even + j odd), transformed in place, and untangled into the
-/// n/2 + 1 bins of the real spectrum (realfft's algorithm, vectorised across frames).
-struct LaneFft {
+/// Windowed real FFT of a power-of-two length `n` >= 16, in element type E, for [`LANES`] frames
+/// at once: the n real samples are packed as n/2 complex ones (even + j odd), transformed in
+/// place, and untangled into the n/2 + 1 bins of the real spectrum (realfft's algorithm,
+/// vectorised across frames).
+struct LaneFft<E> {
     n: usize,
-    passes: Vec<Pass>,
+    /// The periodic Hann window, and the same divided by 32768 so that int16 samples are scaled
+    /// and windowed in one multiply (the same bits: a power-of-two scale is exact).
+    window: Vec<E>,
+    window_pcm16: Vec<E>,
+    passes: Vec<Pass<E>>,
     /// Where frequency k lands: in-place DIF leaves the output in digit-reversed order, which
     /// the untangling step reads through this table instead of reordering.
     position: Vec<usize>,
     /// 0.5 * exp(-2 pi i k / n) for k in 0..=n/4: the untangling twiddles (the 0.5 is exact).
-    untangle_twiddles: Vec<(f32, f32)>,
+    untangle_twiddles: Vec<(E, E)>,
 }
 
-impl LaneFft {
+impl<E: Real> LaneFft<E> {
     fn supports(n: usize) -> bool {
         n.is_power_of_two() && n >= 16
     }
 
-    fn new(n: usize) -> LaneFft {
+    fn new(n: usize) -> LaneFft<E> {
         let m = n / 2;
         let mut passes = Vec::new();
         let mut span = m;
@@ -332,21 +569,39 @@ impl LaneFft {
         }
         let untangle_twiddles = (0..=m / 2)
             .map(|k| {
-                let (c, s) = twiddle(k, n);
-                (0.5 * c, 0.5 * s)
+                let (c, s) = twiddle::<f64>(k, n);
+                (E::from_f64(0.5 * c), E::from_f64(0.5 * s))
             })
             .collect();
+        let hann = mel::hann_periodic(n);
         LaneFft {
             n,
+            window: hann.iter().map(|&w| E::from_f64(w)).collect(),
+            window_pcm16: hann.iter().map(|&w| E::from_f64(w / 32768.0)).collect(),
             passes,
             position,
             untangle_twiddles,
         }
     }
 
+    /// The frames at `offsets`, windowed, packed and transformed into `z`.
+    #[inline(always)]
+    fn transform_frames<V: Vector<Elem = E>>(
+        &self,
+        wav: &Waveform,
+        offsets: &[usize; LANES],
+        z: &mut [Cx<E>],
+    ) {
+        match wav {
+            Waveform::Pcm16(v) => pack(v, offsets, &self.window_pcm16, z, V::from_i16),
+            Waveform::Float(v) => pack(v, offsets, &self.window, z, V::from_f32),
+        }
+        self.transform::<V>(z);
+    }
+
     /// In-place complex FFT of the n/2 points in `z`, output in digit-reversed order.
     #[inline(always)]
-    fn transform<V: Vector>(&self, z: &mut [C]) {
+    fn transform<V: Vector<Elem = E>>(&self, z: &mut [Cx<E>]) {
         for pass in &self.passes {
             if pass.span == 2 {
                 for pair in z.chunks_exact_mut(2) {
@@ -362,7 +617,7 @@ impl LaneFft {
                 let (x1, rest) = rest.split_at_mut(quarter);
                 let (x2, x3) = rest.split_at_mut(quarter);
                 let points = x0.iter_mut().zip(x1).zip(x2).zip(x3);
-                for (p, (((x0, x1), x2), x3)) in points.enumerate() {
+                for ((((x0, x1), x2), x3), w) in points.zip(&pass.twiddles) {
                     let (a, b) = (Cv::<V>::load(x0), Cv::<V>::load(x1));
                     let (c, d) = (Cv::<V>::load(x2), Cv::<V>::load(x3));
                     let (apc, amc) = (a.add(c), a.sub(c));
@@ -370,33 +625,37 @@ impl LaneFft {
                     let (y0, y1) = (apc.add(bpd), amc.sub_j(bmd));
                     let (y2, y3) = (apc.sub(bpd), amc.add_j(bmd));
                     y0.store(x0);
-                    if p == 0 {
-                        // w^0 = 1 (always so in the last pass, where quarter = 1).
+                    if quarter == 1 {
+                        // The last pass: every twiddle is 1.
                         y1.store(x1);
                         y2.store(x2);
                         y3.store(x3);
                     } else {
-                        let w = pass.twiddles[p].map(|(c, s)| (V::splat(c), V::splat(s)));
-                        y1.mul_w(&w[0]).store(x1);
-                        y2.mul_w(&w[1]).store(x2);
-                        y3.mul_w(&w[2]).store(x3);
+                        y1.mul_w(w[0]).store(x1);
+                        y2.mul_w(w[1]).store(x2);
+                        y3.mul_w(w[2]).store(x3);
                     }
                 }
             }
         }
     }
 
-    /// Z (the transform of the packed even + j odd samples) -> `finish(|X_k|^2)` for k in
-    /// 0..=n/2, where X_k = (Z_k + conj Z_{m-k}) / 2 - j w^k (Z_k - conj Z_{m-k}) / 2,
-    /// w = exp(-2 pi i / n). Bins k and m - k share their inputs, so they are made together.
+    /// Z (the transform of the packed even + j odd samples) -> `power` applied to |X_k|^2
+    /// rounded to f32, for k in 0..=n/2, where X_k = (Z_k + conj Z_{m-k}) / 2 - j w^k (Z_k - conj Z_{m-k})
+    /// / 2, w = exp(-2 pi i / n). Bins k and m - k share their inputs, so they are made together.
     #[inline(always)]
-    fn untangle<V: Vector>(&self, z: &[C], out: &mut [Bin], finish: impl Fn(V) -> V) {
+    fn untangle<V: Vector<Elem = E>, F: Vector<Elem = f32>>(
+        &self,
+        z: &[Cx<E>],
+        out: &mut [Bin],
+        power: Power,
+    ) {
         let m = self.n / 2;
         let z0 = Cv::<V>::load(&z[0]);
         let (first, last) = (z0.re.add(z0.im), z0.re.sub(z0.im));
-        finish(first.mul(first)).store(&mut out[0].0);
-        finish(last.mul(last)).store(&mut out[m].0);
-        let half = V::splat(0.5);
+        power.store::<V, F>(first.mul(first), &mut out[0]);
+        power.store::<V, F>(last.mul(last), &mut out[m]);
+        let half = V::splat(E::from_f64(0.5));
         for k in 1..=m / 2 {
             let a = Cv::<V>::load(&z[self.position[k]]);
             let b = Cv::<V>::load(&z[self.position[m - k]]);
@@ -421,8 +680,8 @@ impl LaneFft {
                 re: half_s.re.sub(t.re),
                 im: t.im.sub(half_s.im),
             };
-            finish(x.norm_sqr()).store(&mut out[k].0);
-            finish(y.norm_sqr()).store(&mut out[m - k].0);
+            power.store::<V, F>(x.norm_sqr(), &mut out[k]);
+            power.store::<V, F>(y.norm_sqr(), &mut out[m - k]);
         }
     }
 }
@@ -434,19 +693,25 @@ impl LaneFft {
 fn pack<V: Vector, T>(
     samples: &[T],
     offsets: &[usize; LANES],
-    window: &[f32],
-    z: &mut [C],
+    window: &[V::Elem],
+    z: &mut [Cx<V::Elem>],
     load8: impl Fn(&[T]) -> V,
 ) {
     let n = window.len();
-    let frames: [&[T]; LANES] = std::array::from_fn(|l| &samples[offsets[l]..offsets[l] + n]);
+    let mut frames: [&[T]; LANES] = [&[]; LANES];
+    for (frame, &offset) in frames.iter_mut().zip(offsets) {
+        *frame = &samples[offset..offset + n];
+    }
     for (blk, (w, out)) in window
         .chunks_exact(8)
         .zip(z.chunks_exact_mut(4))
         .enumerate()
     {
         let w = V::load(w.try_into().expect("chunks of 8"));
-        let rows: [V; 8] = std::array::from_fn(|l| load8(&frames[l][blk * 8..]).mul(w));
+        let mut rows = [w; LANES];
+        for (row, frame) in rows.iter_mut().zip(&frames) {
+            *row = load8(&frame[blk * 8..]).mul(w);
+        }
         let cols = V::transpose(rows);
         for (i, point) in out.iter_mut().enumerate() {
             cols[2 * i].store(&mut point.re);
@@ -455,11 +720,42 @@ fn pack<V: Vector, T>(
     }
 }
 
+/// The FFT's element type. f32 rounding puts an error of ~1e-8 of a frame's largest bin into
+/// every bin. The accuracy rule looks at values down to 100 dB (1e-5 in amplitude) below the
+/// recording's maximum, with ~1e-3 relative precision: for a magnitude spectrogram of a tonal
+/// 16-bit recording, the quantisation floor lands right there and f32 breaks the rule (the
+/// `precision` tests show it). Where a top_db clamp of at most 80 dB replaces everything deeper
+/// by a constant, f32 keeps a 10x margin and is twice as fast.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Precision {
+    F32,
+    F64,
+}
+
+impl Precision {
+    fn for_settings(settings: &FeatureSettings) -> Precision {
+        let depth = match (settings.db, settings.top_db) {
+            (DbMode::AmplitudeToDb, Some(top_db)) => top_db.min(100.0),
+            _ => 100.0,
+        };
+        if depth <= 80.0 {
+            Precision::F32
+        } else {
+            Precision::F64
+        }
+    }
+}
+
 /// How a spectrum is computed.
 enum Engine {
-    Lanes(LaneFft),
-    /// Other lengths: realfft, one frame at a time.
-    RealFft(Arc<dyn RealToComplex<f32>>),
+    F32(LaneFft<f32>),
+    F64(LaneFft<f64>),
+    /// FFT sizes that are not a power of two (rare settings): realfft, in f64, one frame at a
+    /// time.
+    RealFft {
+        fft: Arc<dyn RealToComplex<f64>>,
+        window: Vec<f64>,
+    },
 }
 
 /// How |X|^2 becomes a spectrogram value (torchaudio: `abs().pow(power)`).
@@ -473,15 +769,35 @@ enum Power {
     Other(f32),
 }
 
+impl Power {
+    /// |X|^2 -> the spectrogram value.
+    #[inline(always)]
+    fn apply<F: Vector<Elem = f32>>(self, p: F) -> F {
+        match self {
+            Power::Magnitude => p.sqrt(),
+            Power::Energy => p,
+            Power::Other(e) => {
+                let mut a = p.to_f32();
+                for x in a.iter_mut() {
+                    *x = x.powf(e);
+                }
+                F::load(&a)
+            }
+        }
+    }
+
+    /// |X|^2 in the FFT's precision -> f32 -> the spectrogram value, into `bin`.
+    #[inline(always)]
+    fn store<V: Vector, F: Vector<Elem = f32>>(self, p: V, bin: &mut Bin) {
+        self.apply(F::load(&p.to_f32())).store(&mut bin.0);
+    }
+}
+
 /// Everything that does not change between recordings, shared read-only by the pool's threads.
 struct Plan {
     settings: FeatureSettings,
     shape: FeatureShape,
     engine: Engine,
-    /// Periodic Hann window, and the same divided by 32768 so that int16 samples are scaled and
-    /// windowed in one multiply (the same bits: a power-of-two scale is exact).
-    window: Vec<f32>,
-    window_pcm16: Vec<f32>,
     /// Per STFT frame, in row order: where it starts in the waveform, and where its mel 0 goes in
     /// the row (mel j at `+ j * t_frames`).
     frames: Vec<(usize, usize)>,
@@ -493,12 +809,13 @@ struct Plan {
 
 /// Per-thread working memory, sized once.
 struct Scratch {
-    /// The lane FFT's points (n_fft / 2).
-    z: Vec<C>,
+    /// The lane FFT's points (n_fft / 2), in the engine's precision.
+    z32: Vec<Cx<f32>>,
+    z64: Vec<Cx<f64>>,
     /// realfft engine: one frame, its spectrum, realfft's scratch.
-    frame: Vec<f32>,
-    spectrum: Vec<Complex<f32>>,
-    fft_scratch: Vec<Complex<f32>>,
+    frame: Vec<f64>,
+    spectrum: Vec<Complex<f64>>,
+    fft_scratch: Vec<Complex<f64>>,
     /// Spectrogram values of the frames in flight, `[n_freqs]` bins of [`LANES`] frames.
     spec: Vec<Bin>,
     /// Their mel values, `[n_mels]`.
@@ -521,16 +838,20 @@ pub struct CpuFeaturiser {
 
 impl Plan {
     fn new(settings: &FeatureSettings) -> anyhow::Result<Plan> {
+        Plan::with_precision(settings, Precision::for_settings(settings))
+    }
+
+    fn with_precision(settings: &FeatureSettings, precision: Precision) -> anyhow::Result<Plan> {
         let shape = settings.shape();
         let n_fft = settings.n_fft;
-        let engine = if LaneFft::supports(n_fft) {
-            Engine::Lanes(LaneFft::new(n_fft))
-        } else {
-            Engine::RealFft(RealFftPlanner::<f32>::new().plan_fft_forward(n_fft))
+        let engine = match precision {
+            _ if !LaneFft::<f32>::supports(n_fft) => Engine::RealFft {
+                fft: RealFftPlanner::<f64>::new().plan_fft_forward(n_fft),
+                window: mel::hann_periodic(n_fft),
+            },
+            Precision::F32 => Engine::F32(LaneFft::new(n_fft)),
+            Precision::F64 => Engine::F64(LaneFft::new(n_fft)),
         };
-        let hann = mel::hann_periodic(n_fft);
-        let window = hann.iter().map(|&w| w as f32).collect();
-        let window_pcm16 = hann.iter().map(|&w| (w / 32768.0) as f32).collect();
         let mut frames = Vec::with_capacity(shape.num_windows() * shape.t_frames);
         for l in 0..shape.num_long {
             for s in 0..shape.num_short {
@@ -559,8 +880,6 @@ impl Plan {
             settings: settings.clone(),
             shape,
             engine,
-            window,
-            window_pcm16,
             frames,
             mel: SparseMel::new(settings),
             power,
@@ -569,28 +888,35 @@ impl Plan {
     }
 
     fn scratch(&self) -> Scratch {
-        let (z, frame, spectrum, fft_scratch) = match &self.engine {
-            Engine::Lanes(fft) => (
-                vec![C::default(); fft.n / 2],
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-            ),
-            Engine::RealFft(fft) => (
-                Vec::new(),
-                fft.make_input_vec(),
-                fft.make_output_vec(),
-                fft.make_scratch_vec(),
-            ),
-        };
-        Scratch {
-            z,
-            frame,
-            spectrum,
-            fft_scratch,
+        let half = self.settings.n_fft / 2;
+        let mut s = Scratch {
+            z32: Vec::new(),
+            z64: Vec::new(),
+            frame: Vec::new(),
+            spectrum: Vec::new(),
+            fft_scratch: Vec::new(),
             spec: vec![Bin::default(); self.mel.n_freqs],
             mels: vec![Bin::default(); self.mel.filters.len()],
             row: vec![0.0; self.shape.row_len()],
+        };
+        match &self.engine {
+            Engine::F32(_) => s.z32 = vec![Cx::default(); half],
+            Engine::F64(_) => s.z64 = vec![Cx::default(); half],
+            Engine::RealFft { fft, .. } => {
+                s.frame = fft.make_input_vec();
+                s.spectrum = fft.make_output_vec();
+                s.fft_scratch = fft.make_scratch_vec();
+            }
+        }
+        s
+    }
+
+    /// For logs and tests: which FFT runs.
+    fn engine_name(&self) -> &'static str {
+        match self.engine {
+            Engine::F32(_) => "f32 lane FFT",
+            Engine::F64(_) => "f64 lane FFT",
+            Engine::RealFft { .. } => "realfft (f64)",
         }
     }
 
@@ -607,91 +933,97 @@ impl Plan {
             // SAFETY: `avx2` is only set when the CPU has AVX2 (`avx2_available`).
             return unsafe { self.db_row_avx2(wav, s) };
         }
-        self.db_row_with::<Portable>(wav, s)
+        self.db_row_with::<PortableIsa>(wav, s)
     }
 
     /// The same code as the portable build, with 256-bit vectors.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
     unsafe fn db_row_avx2(&self, wav: &Waveform, s: &mut Scratch) {
-        self.db_row_with::<avx::Avx>(wav, s)
+        self.db_row_with::<avx::AvxIsa>(wav, s)
     }
 
     #[inline(always)]
-    fn db_row_with<V: Vector>(&self, wav: &Waveform, s: &mut Scratch) {
+    fn db_row_with<I: Isa>(&self, wav: &Waveform, s: &mut Scratch) {
         let t_frames = self.shape.t_frames;
         for group in self.frames.chunks(LANES) {
             // Lanes past the last frame redo the group's first frame; their results are dropped.
-            let offsets: [usize; LANES] =
-                std::array::from_fn(|l| group.get(l).unwrap_or(&group[0]).0);
-            self.spectrogram::<V>(wav, &offsets, s);
+            let mut offsets = [group[0].0; LANES];
+            for (offset, frame) in offsets.iter_mut().zip(group) {
+                *offset = frame.0;
+            }
+            self.spectrogram::<I>(wav, &offsets, s);
             for (filter, out) in self.mel.filters.iter().zip(s.mels.iter_mut()) {
-                let mut acc = V::splat(0.0);
+                let mut acc = I::F32::splat(0.0);
                 for (&w, bin) in filter.weights.iter().zip(&s.spec[filter.start..]) {
-                    acc = acc.add(V::splat(w).mul(V::load(&bin.0)));
+                    acc = acc.add(I::F32::splat(w).mul(I::F32::load(&bin.0)));
                 }
                 acc.store(&mut out.0);
             }
-            for (lane, &(_, base)) in group.iter().enumerate() {
-                for (j, m) in s.mels.iter().enumerate() {
-                    s.row[base + j * t_frames] = m.0[lane];
+            if t_frames == 1 && group.len() == LANES {
+                // Each frame's mels are contiguous in the row: transpose 8 mels x 8 frames
+                // blocks in registers and store whole vectors.
+                for (j0, block) in s.mels.chunks(LANES).enumerate() {
+                    let mut rows = [I::F32::splat(0.0); LANES];
+                    for (row, m) in rows.iter_mut().zip(block) {
+                        *row = I::F32::load(&m.0);
+                    }
+                    let cols = I::F32::transpose(rows);
+                    for (col, &(_, base)) in cols.iter().zip(group) {
+                        let start = base + j0 * LANES;
+                        let lanes = block.len();
+                        if lanes == LANES {
+                            let dst: &mut Lanes = (&mut s.row[start..start + LANES])
+                                .try_into()
+                                .expect("8 values");
+                            col.store(dst);
+                        } else {
+                            s.row[start..start + lanes].copy_from_slice(&col.to_f32()[..lanes]);
+                        }
+                    }
+                }
+            } else {
+                for (lane, &(_, base)) in group.iter().enumerate() {
+                    for (j, m) in s.mels.iter().enumerate() {
+                        s.row[base + j * t_frames] = m.0[lane];
+                    }
                 }
             }
         }
         mel::to_db_in_place(&mut s.row, &self.settings);
     }
 
-    /// The spectrogram values (|X|^power) of the frames at `offsets`, into `s.spec`.
+    /// The spectrogram values (|X|^power, f32) of the frames at `offsets`, into `s.spec`.
     #[inline(always)]
-    fn spectrogram<V: Vector>(&self, wav: &Waveform, offsets: &[usize; LANES], s: &mut Scratch) {
+    fn spectrogram<I: Isa>(&self, wav: &Waveform, offsets: &[usize; LANES], s: &mut Scratch) {
+        let power = self.power;
         match &self.engine {
-            Engine::Lanes(fft) => {
-                match wav {
-                    Waveform::Pcm16(v) => {
-                        pack(v, offsets, &self.window_pcm16, &mut s.z, V::from_i16)
-                    }
-                    Waveform::Float(v) => pack(v, offsets, &self.window, &mut s.z, |x| {
-                        V::load(x[..LANES].try_into().expect("8 samples"))
-                    }),
-                }
-                fft.transform::<V>(&mut s.z);
-                match self.power {
-                    Power::Magnitude => fft.untangle::<V>(&s.z, &mut s.spec, V::sqrt),
-                    Power::Energy => fft.untangle::<V>(&s.z, &mut s.spec, |p| p),
-                    Power::Other(e) => fft.untangle::<V>(&s.z, &mut s.spec, |p| {
-                        let mut a = [0.0; LANES];
-                        p.store(&mut a);
-                        V::load(&a.map(|x| x.powf(e)))
-                    }),
-                }
+            Engine::F32(fft) => {
+                fft.transform_frames::<I::F32>(wav, offsets, &mut s.z32);
+                fft.untangle::<I::F32, I::F32>(&s.z32, &mut s.spec, power);
             }
-            Engine::RealFft(fft) => {
+            Engine::F64(fft) => {
+                fft.transform_frames::<I::F64>(wav, offsets, &mut s.z64);
+                fft.untangle::<I::F64, I::F32>(&s.z64, &mut s.spec, power);
+            }
+            Engine::RealFft { fft, window } => {
                 for (lane, &offset) in offsets.iter().enumerate() {
-                    let (buf, n) = (&mut s.frame, self.settings.n_fft);
-                    match wav {
-                        Waveform::Pcm16(v) => {
-                            let src = &v[offset..offset + n];
-                            for ((x, &w), &q) in buf.iter_mut().zip(&self.window_pcm16).zip(src) {
-                                *x = q as f32 * w;
-                            }
-                        }
-                        Waveform::Float(v) => {
-                            let src = &v[offset..offset + n];
-                            for ((x, &w), &q) in buf.iter_mut().zip(&self.window).zip(src) {
-                                *x = q * w;
-                            }
-                        }
+                    let n = window.len();
+                    for (i, (x, &w)) in s.frame.iter_mut().zip(window).enumerate() {
+                        *x = match wav {
+                            Waveform::Pcm16(v) => v[offset + i] as f64 / 32768.0,
+                            Waveform::Float(v) => v[offset + i] as f64,
+                        } * w;
                     }
+                    debug_assert_eq!(s.frame.len(), n);
                     fft.process_with_scratch(&mut s.frame, &mut s.spectrum, &mut s.fft_scratch)
                         .expect("FFT buffers are made by the plan itself");
                     for (dst, c) in s.spec.iter_mut().zip(&s.spectrum) {
-                        let p = c.re * c.re + c.im * c.im;
-                        dst.0[lane] = match self.power {
-                            Power::Magnitude => p.sqrt(),
-                            Power::Energy => p,
-                            Power::Other(e) => p.powf(e),
-                        };
+                        dst.0[lane] = (c.re * c.re + c.im * c.im) as f32;
                     }
+                }
+                for bin in s.spec.iter_mut() {
+                    power.apply(I::F32::load(&bin.0)).store(&mut bin.0);
                 }
             }
         }
@@ -721,6 +1053,16 @@ impl CpuFeaturiser {
         let scratch = (0..pool.current_num_threads())
             .map(|_| Mutex::new(plan.scratch()))
             .collect();
+        log::debug!(
+            "CPU featuriser: {}, {} threads, {}",
+            plan.engine_name(),
+            pool.current_num_threads(),
+            if plan.avx2 {
+                "AVX2"
+            } else {
+                "portable build (no AVX2)"
+            }
+        );
         Ok(CpuFeaturiser {
             local: plan.scratch(),
             plan,
@@ -784,15 +1126,15 @@ mod tests {
     use crate::config::{DbMode, MelNorm, MelScale};
 
     /// xorshift64*: reproducible test signals without a dependency.
-    struct Rng(u64);
+    pub(super) struct Rng(pub(super) u64);
     impl Rng {
-        fn uniform(&mut self) -> f64 {
+        pub(super) fn uniform(&mut self) -> f64 {
             self.0 ^= self.0 >> 12;
             self.0 ^= self.0 << 25;
             self.0 ^= self.0 >> 27;
             (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
         }
-        fn normal(&mut self) -> f64 {
+        pub(super) fn normal(&mut self) -> f64 {
             let (u, v) = (self.uniform().max(1e-300), self.uniform());
             (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
         }
@@ -800,7 +1142,7 @@ mod tests {
 
     /// The feature definition written out plainly in f64: a naive DFT per frame, the dense
     /// filterbank, f64 logarithms. Slow and obviously right; the fast path is held against it.
-    fn reference(wav: &Waveform, settings: &FeatureSettings) -> Vec<f64> {
+    pub(super) fn reference(wav: &Waveform, settings: &FeatureSettings) -> Vec<f64> {
         let shape = settings.shape();
         let n = settings.n_fft;
         let n_freqs = n / 2 + 1;
@@ -931,7 +1273,8 @@ mod tests {
     }
 
     /// Several STFT frames per short window (t_frames > 1), the other scale and norm, a
-    /// non-power-of-two FFT (realfft engine), an unusual power and a band-limited filterbank.
+    /// non-power-of-two FFT (realfft engine), an unusual power, a band-limited filterbank, a mel
+    /// count that is not a multiple of the lane count.
     #[test]
     fn other_settings_match_the_f64_reference() {
         let base = FeatureSettings {
@@ -958,6 +1301,11 @@ mod tests {
                 ..base.clone()
             },
             FeatureSettings {
+                n_mels: 20,
+                mel_scale: MelScale::Slaney,
+                ..base.clone()
+            },
+            FeatureSettings {
                 n_fft: 8,
                 short_window: 32,
                 short_hop: 16,
@@ -973,51 +1321,175 @@ mod tests {
         }
     }
 
+    /// A loud tone over a faint noise floor (16-bit quantisation or below): the case that needs
+    /// the f64 FFT for magnitude spectrograms (see [`Precision`]).
+    fn tonal(num_samples: usize, count: usize) -> Vec<(String, Waveform)> {
+        let mut rng = Rng(12345);
+        let tau = 2.0 * std::f64::consts::PI;
+        (0..count)
+            .map(|i| {
+                let f0 = 30.0 + 1900.0 * rng.uniform();
+                let amp = 0.05 + 0.9 * rng.uniform();
+                let noise = 10f64.powf(-4.0 - 2.5 * rng.uniform());
+                let x: Vec<f64> = (0..num_samples)
+                    .map(|t| amp * (tau * f0 * t as f64 / 4096.0).sin() + noise * rng.normal())
+                    .collect();
+                let name = format!("tone {f0:.0} Hz x {amp:.2} + noise {noise:.0e}");
+                let wav = if i % 2 == 0 {
+                    Waveform::Pcm16(
+                        x.iter()
+                            .map(|v| (v * 32768.0).round().clamp(-32768.0, 32767.0) as i16)
+                            .collect(),
+                    )
+                } else {
+                    Waveform::Float(x.iter().map(|&v| v as f32).collect())
+                };
+                (name, wav)
+            })
+            .collect()
+    }
+
+    /// Rule violations of `plan` over `signals`, and the largest f32 error (before float16
+    /// rounding) as a fraction of the tolerance, max(1 ulp, 0.005 dB), over the checked values.
+    fn violations(plan: &Plan, signals: &[(String, Waveform)]) -> (usize, f64) {
+        let mut s = plan.scratch();
+        let (mut count, mut worst) = (0, 0f64);
+        for (name, wav) in signals {
+            let exact = reference(wav, &plan.settings);
+            plan.db_row(wav, &mut s);
+            let max = exact.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            for (&e, &y) in exact.iter().zip(&s.row) {
+                if e >= max - 100.0 {
+                    worst = worst.max((y as f64 - e).abs() / mel::f16_ulp(e).max(0.005));
+                }
+            }
+            let mut out = vec![f16::ZERO; s.row.len()];
+            out.convert_from_f32_slice(&s.row);
+            let acc = mel::check_accuracy(&exact, &out);
+            eprintln!("{name}: {acc:?}");
+            count += acc.violations;
+        }
+        (count, worst)
+    }
+
+    #[test]
+    fn precision_follows_the_checked_depth() {
+        let p2_unclamped = FeatureSettings {
+            db: DbMode::Log10,
+            top_db: None,
+            ..FeatureSettings::overlap32()
+        };
+        assert_eq!(
+            Precision::for_settings(&FeatureSettings::default()),
+            Precision::F64
+        );
+        assert_eq!(
+            Precision::for_settings(&FeatureSettings::overlap32()),
+            Precision::F32
+        );
+        assert_eq!(Precision::for_settings(&p2_unclamped), Precision::F64);
+    }
+
+    /// Tonal recordings meet the rule with the precision each setup gets, with margin: the f32
+    /// error before float16 rounding stays under half the tolerance.
+    #[test]
+    fn tonal_recordings_meet_the_rule() {
+        let p2_unclamped = FeatureSettings {
+            db: DbMode::Log10,
+            top_db: None,
+            ..FeatureSettings::overlap32()
+        };
+        for settings in [
+            FeatureSettings::default(),
+            FeatureSettings::overlap32(),
+            p2_unclamped,
+        ] {
+            let plan = Plan::new(&settings).unwrap();
+            let (count, worst) = violations(&plan, &tonal(settings.shape().num_samples, 6));
+            eprintln!(
+                "{}: {count} violations, f32 error {worst:.3} of the tolerance",
+                plan.engine_name()
+            );
+            assert_eq!(count, 0);
+            assert!(worst < 0.5, "{worst}");
+        }
+    }
+
+    /// Why the default setup gets an f64 FFT: with an f32 one, tonal 16-bit recordings break the
+    /// rule. Slow (a naive DFT per frame); run with --ignored to see the figures.
+    #[test]
+    #[ignore]
+    fn f32_fft_is_not_enough_for_magnitude_spectrograms() {
+        let settings = FeatureSettings::default();
+        let signals = tonal(settings.shape().num_samples, 20);
+        let f32_plan = Plan::with_precision(&settings, Precision::F32).unwrap();
+        let (count, worst) = violations(&f32_plan, &signals);
+        eprintln!("f32 FFT: {count} violations, error up to {worst:.2} of the tolerance");
+        assert!(count > 0);
+        let f64_plan = Plan::with_precision(&settings, Precision::F64).unwrap();
+        let (count, worst) = violations(&f64_plan, &signals);
+        eprintln!("f64 FFT: {count} violations, error up to {worst:.4} of the tolerance");
+        assert_eq!(count, 0);
+    }
+
     /// The AVX2 build and the portable build of the featuriser give the same bits.
     #[test]
     fn avx2_and_portable_agree_bit_for_bit() {
         for settings in [FeatureSettings::default(), FeatureSettings::overlap32()] {
-            let plan = Plan::new(&settings).unwrap();
-            if !plan.avx2 {
-                eprintln!("no AVX2 here: nothing to compare");
-                return;
-            }
-            let (mut s1, mut s2) = (plan.scratch(), plan.scratch());
-            for (name, wav) in signals(settings.shape().num_samples) {
-                plan.db_row(&wav, &mut s1);
-                plan.db_row_with::<Portable>(&wav, &mut s2);
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&s1.row), bits(&s2.row), "{name}");
+            for precision in [Precision::F32, Precision::F64] {
+                let plan = Plan::with_precision(&settings, precision).unwrap();
+                if !plan.avx2 {
+                    eprintln!("no AVX2 here: nothing to compare");
+                    return;
+                }
+                let (mut s1, mut s2) = (plan.scratch(), plan.scratch());
+                for (name, wav) in signals(settings.shape().num_samples) {
+                    plan.db_row(&wav, &mut s1);
+                    plan.db_row_with::<PortableIsa>(&wav, &mut s2);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&s1.row), bits(&s2.row), "{name} {precision:?}");
+                }
             }
         }
     }
 
-    /// The lane FFT agrees with realfft (which it replaces for powers of two) to float32
-    /// rounding.
+    /// The three engines compute the same power spectrum: f32 lanes to f32 rounding, f64 lanes
+    /// and realfft (f64) to the final rounding to f32.
     #[test]
-    fn lane_fft_agrees_with_realfft() {
+    fn engines_agree() {
         let settings = FeatureSettings::default();
-        let mut lane_plan = Plan::new(&settings).unwrap();
-        assert!(matches!(lane_plan.engine, Engine::Lanes(_)));
-        lane_plan.power = Power::Energy;
-        let mut rf_plan = Plan::new(&settings).unwrap();
-        rf_plan.engine = Engine::RealFft(RealFftPlanner::<f32>::new().plan_fft_forward(512));
-        rf_plan.power = Power::Energy;
-        let (mut s1, mut s2) = (lane_plan.scratch(), rf_plan.scratch());
+        let mut plans: Vec<Plan> = [Precision::F32, Precision::F64]
+            .iter()
+            .map(|&p| Plan::with_precision(&settings, p).unwrap())
+            .collect();
+        let mut realfft = Plan::new(&settings).unwrap();
+        realfft.engine = Engine::RealFft {
+            fft: RealFftPlanner::<f64>::new().plan_fft_forward(512),
+            window: mel::hann_periodic(512),
+        };
+        plans.push(realfft);
         let mut rng = Rng(7);
         let wav = Waveform::Float((0..40960).map(|_| rng.normal() as f32).collect());
         let offsets: [usize; LANES] = std::array::from_fn(|l| 1000 * l + 3);
-        lane_plan.spectrogram::<Portable>(&wav, &offsets, &mut s1);
-        rf_plan.spectrogram::<Portable>(&wav, &offsets, &mut s2);
-        let scale = s2.spec.iter().flat_map(|b| b.0).fold(0f32, f32::max);
-        for (k, (a, b)) in s1.spec.iter().zip(&s2.spec).enumerate() {
-            for l in 0..LANES {
-                assert!(
-                    (a.0[l] - b.0[l]).abs() <= 1e-5 * scale,
-                    "bin {k} lane {l}: {} vs {}",
-                    a.0[l],
-                    b.0[l]
-                );
+        let spectra: Vec<Vec<Bin>> = plans
+            .iter_mut()
+            .map(|plan| {
+                plan.power = Power::Energy;
+                let mut s = plan.scratch();
+                plan.spectrogram::<PortableIsa>(&wav, &offsets, &mut s);
+                s.spec
+            })
+            .collect();
+        let scale = spectra[2].iter().flat_map(|b| b.0).fold(0f32, f32::max);
+        for (which, tolerance) in [(0, 1e-5), (1, 1e-7)] {
+            for (k, (a, b)) in spectra[which].iter().zip(&spectra[2]).enumerate() {
+                for l in 0..LANES {
+                    let (a, b) = (a.0[l], b.0[l]);
+                    assert!(
+                        (a - b).abs() <= tolerance * scale,
+                        "engine {which} bin {k} lane {l}: {a} vs {b}"
+                    );
+                }
             }
         }
     }

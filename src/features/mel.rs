@@ -255,6 +255,9 @@ pub struct Accuracy {
     pub max_abs_db: f64,
     /// Largest |stored - exact| in float16 ulps of the exact value, over the checked region.
     pub max_ulps: f64,
+    /// Largest |stored - exact| as a fraction of the tolerance, max(1 ulp, 0.005 dB), over the
+    /// checked region: the rule holds there while this is at most 1.
+    pub max_of_tolerance: f64,
     /// Values that break the rule, and the first of them: (index, exact, stored).
     pub violations: usize,
     pub first_violation: Option<(usize, f64, f64)>,
@@ -279,7 +282,9 @@ pub fn check_accuracy(exact: &[f64], stored: &[f16]) -> Accuracy {
             acc.checked += 1;
             acc.max_abs_db = acc.max_abs_db.max(err);
             acc.max_ulps = acc.max_ulps.max(err / f16_ulp(e));
-            err <= f16_ulp(e).max(0.005)
+            let tolerance = f16_ulp(e).max(0.005);
+            acc.max_of_tolerance = acc.max_of_tolerance.max(err / tolerance);
+            err <= tolerance
         } else {
             s < max - 90.0
         };
