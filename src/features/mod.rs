@@ -34,7 +34,7 @@ pub fn build(
         DeviceChoice::Auto => match cuda::CudaFeaturiser::new(settings) {
             Ok(f) => Ok(Box::new(f)),
             Err(e) => {
-                log::info!("no usable GPU ({e:#}); featurising on the CPU");
+                log::warn!("no usable GPU, featurising on the CPU: {e:#}");
                 Ok(Box::new(cpu::CpuFeaturiser::new(settings, threads)?))
             }
         },
