@@ -589,15 +589,15 @@ impl<E: Real> LaneFft<E> {
 
     /// The frames at `offsets`, windowed, packed and transformed into `z`.
     #[inline(always)]
-    fn transform_frames<V: Vector<Elem = E>>(
+    fn transform_frames<F: Vector<Elem = f32>, V: Vector<Elem = E>>(
         &self,
         wav: &Waveform,
         offsets: &[usize; LANES],
         z: &mut [Cx<E>],
     ) {
         match wav {
-            Waveform::Pcm16(v) => pack(v, offsets, &self.window_pcm16, z, V::from_i16),
-            Waveform::Float(v) => pack(v, offsets, &self.window, z, V::from_f32),
+            Waveform::Pcm16(v) => pack::<F, V, _>(v, offsets, &self.window_pcm16, z, F::from_i16),
+            Waveform::Float(v) => pack::<F, V, _>(v, offsets, &self.window, z, F::from_f32),
         }
         self.transform::<V>(z);
     }
@@ -691,14 +691,15 @@ impl<E: Real> LaneFft<E> {
 
 /// Windowed frames -> the FFT's packed input: point m of lane l is
 /// `x_l[2m] w[2m] + j x_l[2m+1] w[2m+1]`, `x_l` the frame at `offsets[l]`. Works in 8x8 blocks
-/// (8 samples of each of the 8 frames), transposed in registers.
+/// (8 samples of each of the 8 frames), transposed in registers as f32 (exact for every input:
+/// int16 and f32 samples are f32 values), then widened to the FFT's precision and windowed.
 #[inline(always)]
-fn pack<V: Vector, T>(
+fn pack<F: Vector<Elem = f32>, V: Vector, T>(
     samples: &[T],
     offsets: &[usize; LANES],
     window: &[V::Elem],
     z: &mut [Cx<V::Elem>],
-    load8: impl Fn(&[T]) -> V,
+    load8: impl Fn(&[T]) -> F,
 ) {
     let n = window.len();
     let mut frames: [&[T]; LANES] = [&[]; LANES];
@@ -710,15 +711,17 @@ fn pack<V: Vector, T>(
         .zip(z.chunks_exact_mut(4))
         .enumerate()
     {
-        let w = V::load(w.try_into().expect("chunks of 8"));
-        let mut rows = [w; LANES];
+        let mut rows = [F::splat(0.0); LANES];
         for (row, frame) in rows.iter_mut().zip(&frames) {
-            *row = load8(&frame[blk * 8..]).mul(w);
+            *row = load8(&frame[blk * 8..]);
         }
-        let cols = V::transpose(rows);
+        let cols = F::transpose(rows);
         for (i, point) in out.iter_mut().enumerate() {
-            cols[2 * i].store(&mut point.re);
-            cols[2 * i + 1].store(&mut point.im);
+            let (even, odd) = (cols[2 * i].to_f32(), cols[2 * i + 1].to_f32());
+            let re = V::from_f32(&even).mul(V::splat(w[2 * i]));
+            let im = V::from_f32(&odd).mul(V::splat(w[2 * i + 1]));
+            re.store(&mut point.re);
+            im.store(&mut point.im);
         }
     }
 }
@@ -1003,11 +1006,11 @@ impl Plan {
         let power = self.power;
         match &self.engine {
             Engine::F32(fft) => {
-                fft.transform_frames::<I::F32>(wav, offsets, &mut s.z32);
+                fft.transform_frames::<I::F32, I::F32>(wav, offsets, &mut s.z32);
                 fft.untangle::<I::F32, I::F32>(&s.z32, &mut s.spec, power);
             }
             Engine::F64(fft) => {
-                fft.transform_frames::<I::F64>(wav, offsets, &mut s.z64);
+                fft.transform_frames::<I::F32, I::F64>(wav, offsets, &mut s.z64);
                 fft.untangle::<I::F64, I::F32>(&s.z64, &mut s.spec, power);
             }
             Engine::RealFft { fft, window } => {
