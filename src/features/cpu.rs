@@ -105,10 +105,12 @@ struct Bin(Lanes);
 
 /// [`LANES`] lanes of one element type and the operations the kernels use. Kernels are generic
 /// over it and `inline(always)`, so each is compiled once per implementation: [`Portable`]
-/// (plain arrays, any CPU) and the AVX ones. The per-recording path avoids closures and
-/// `std::array::from_fn`: LLVM may decline to inline those, and an AVX intrinsic left in a
-/// function compiled without AVX becomes a call (20x slower, seen). All perform the same IEEE operations in the same
+/// (plain arrays, any CPU) and the AVX ones. All perform the same IEEE operations in the same
 /// order (Rust never fuses a * b + c), so every build gives the same bits.
+///
+/// The per-recording path avoids closures and `std::array::from_fn`: LLVM may decline to inline
+/// those, and an AVX intrinsic left in a function compiled without AVX becomes a call (seen:
+/// 5x slower overall).
 trait Vector: Copy {
     type Elem: Real;
     fn splat(x: Self::Elem) -> Self;
@@ -513,7 +515,7 @@ struct Pass<E> {
     twiddles: Vec<[(E, E); 3]>,
 }
 
-/// Windowed real FFT of a power-of-two length `n` >= 16, in element type E, for [`LANES`] frames
+/// Windowed real FFT of a power-of-two length `n` >= 8, in element type E, for [`LANES`] frames
 /// at once: the n real samples are packed as n/2 complex ones (even + j odd), transformed in
 /// place, and untangled into the n/2 + 1 bins of the real spectrum (realfft's algorithm,
 /// vectorised across frames).
@@ -532,8 +534,9 @@ struct LaneFft<E> {
 }
 
 impl<E: Real> LaneFft<E> {
+    /// Powers of two, from 8: `pack` works in blocks of 8 samples.
     fn supports(n: usize) -> bool {
-        n.is_power_of_two() && n >= 16
+        n.is_power_of_two() && n >= 8
     }
 
     fn new(n: usize) -> LaneFft<E> {
@@ -586,15 +589,15 @@ impl<E: Real> LaneFft<E> {
 
     /// The frames at `offsets`, windowed, packed and transformed into `z`.
     #[inline(always)]
-    fn transform_frames<V: Vector<Elem = E>>(
+    fn transform_frames<F: Vector<Elem = f32>, V: Vector<Elem = E>>(
         &self,
         wav: &Waveform,
         offsets: &[usize; LANES],
         z: &mut [Cx<E>],
     ) {
         match wav {
-            Waveform::Pcm16(v) => pack(v, offsets, &self.window_pcm16, z, V::from_i16),
-            Waveform::Float(v) => pack(v, offsets, &self.window, z, V::from_f32),
+            Waveform::Pcm16(v) => pack::<F, V, _>(v, offsets, &self.window_pcm16, z, F::from_i16),
+            Waveform::Float(v) => pack::<F, V, _>(v, offsets, &self.window, z, F::from_f32),
         }
         self.transform::<V>(z);
     }
@@ -688,14 +691,15 @@ impl<E: Real> LaneFft<E> {
 
 /// Windowed frames -> the FFT's packed input: point m of lane l is
 /// `x_l[2m] w[2m] + j x_l[2m+1] w[2m+1]`, `x_l` the frame at `offsets[l]`. Works in 8x8 blocks
-/// (8 samples of each of the 8 frames), transposed in registers.
+/// (8 samples of each of the 8 frames), transposed in registers as f32 (exact for every input:
+/// int16 and f32 samples are f32 values), then widened to the FFT's precision and windowed.
 #[inline(always)]
-fn pack<V: Vector, T>(
+fn pack<F: Vector<Elem = f32>, V: Vector, T>(
     samples: &[T],
     offsets: &[usize; LANES],
     window: &[V::Elem],
     z: &mut [Cx<V::Elem>],
-    load8: impl Fn(&[T]) -> V,
+    load8: impl Fn(&[T]) -> F,
 ) {
     let n = window.len();
     let mut frames: [&[T]; LANES] = [&[]; LANES];
@@ -707,15 +711,17 @@ fn pack<V: Vector, T>(
         .zip(z.chunks_exact_mut(4))
         .enumerate()
     {
-        let w = V::load(w.try_into().expect("chunks of 8"));
-        let mut rows = [w; LANES];
+        let mut rows = [F::splat(0.0); LANES];
         for (row, frame) in rows.iter_mut().zip(&frames) {
-            *row = load8(&frame[blk * 8..]).mul(w);
+            *row = load8(&frame[blk * 8..]);
         }
-        let cols = V::transpose(rows);
+        let cols = F::transpose(rows);
         for (i, point) in out.iter_mut().enumerate() {
-            cols[2 * i].store(&mut point.re);
-            cols[2 * i + 1].store(&mut point.im);
+            let (even, odd) = (cols[2 * i].to_f32(), cols[2 * i + 1].to_f32());
+            let re = V::from_f32(&even).mul(V::splat(w[2 * i]));
+            let im = V::from_f32(&odd).mul(V::splat(w[2 * i + 1]));
+            re.store(&mut point.re);
+            im.store(&mut point.im);
         }
     }
 }
@@ -723,9 +729,10 @@ fn pack<V: Vector, T>(
 /// The FFT's element type. f32 rounding puts an error of ~1e-8 of a frame's largest bin into
 /// every bin. The accuracy rule looks at values down to 100 dB (1e-5 in amplitude) below the
 /// recording's maximum, with ~1e-3 relative precision: for a magnitude spectrogram of a tonal
-/// 16-bit recording, the quantisation floor lands right there and f32 breaks the rule (the
-/// `precision` tests show it). Where a top_db clamp of at most 80 dB replaces everything deeper
-/// by a constant, f32 keeps a 10x margin and is twice as fast.
+/// 16-bit recording, the quantisation floor lands right there and an f32 FFT breaks the rule
+/// (test `f32_fft_is_not_enough_for_magnitude_spectrograms`: errors up to 1.9x the tolerance;
+/// f64: 0.0005x). Where a top_db clamp of at most 80 dB replaces everything deeper by a
+/// constant, f32 stays under 0.1x the tolerance on the same signals and is twice as fast.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Precision {
     F32,
@@ -750,8 +757,8 @@ impl Precision {
 enum Engine {
     F32(LaneFft<f32>),
     F64(LaneFft<f64>),
-    /// FFT sizes that are not a power of two (rare settings): realfft, in f64, one frame at a
-    /// time.
+    /// Sizes the lane FFT does not take (not a power of two, or below 8): realfft, in f64, one
+    /// frame at a time.
     RealFft {
         fft: Arc<dyn RealToComplex<f64>>,
         window: Vec<f64>,
@@ -999,11 +1006,11 @@ impl Plan {
         let power = self.power;
         match &self.engine {
             Engine::F32(fft) => {
-                fft.transform_frames::<I::F32>(wav, offsets, &mut s.z32);
+                fft.transform_frames::<I::F32, I::F32>(wav, offsets, &mut s.z32);
                 fft.untangle::<I::F32, I::F32>(&s.z32, &mut s.spec, power);
             }
             Engine::F64(fft) => {
-                fft.transform_frames::<I::F64>(wav, offsets, &mut s.z64);
+                fft.transform_frames::<I::F32, I::F64>(wav, offsets, &mut s.z64);
                 fft.untangle::<I::F64, I::F32>(&s.z64, &mut s.spec, power);
             }
             Engine::RealFft { fft, window } => {
