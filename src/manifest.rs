@@ -114,6 +114,28 @@ impl ManifestBatch {
     }
 }
 
+/// sled releases its file lock from a background thread after the last handle is dropped, so a
+/// reopen right after a close in the same process can find it still held: wait for it briefly.
+/// Another process holding it is refused by the writer lock before we get here.
+fn open_db(dir: &Path) -> Result<sled::Db, sled::Error> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    loop {
+        match sled::Config::new()
+            .path(dir)
+            .cache_capacity(64 << 20)
+            .open()
+        {
+            Err(sled::Error::Io(e))
+                if e.to_string().contains("could not acquire lock")
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -129,11 +151,7 @@ impl Manifest {
             path: path.clone(),
             source,
         };
-        let db = sled::Config::new()
-            .path(dir)
-            .cache_capacity(64 << 20)
-            .open()
-            .map_err(db_err)?;
+        let db = open_db(dir).map_err(db_err)?;
         let files = db.open_tree("files").map_err(db_err)?;
         let content = db.open_tree("content").map_err(db_err)?;
         let meta = db.open_tree("meta").map_err(db_err)?;
