@@ -175,7 +175,10 @@ impl Ingestor {
         for rel in &not_utf8 {
             if self.manifest.get_file(rel)?.is_none() {
                 log::warn!(file = rel.as_str(); "quarantined {rel}: path is not valid UTF-8");
-                batch.put_file(rel, &quarantined(None, 0, 0, "path is not valid UTF-8"));
+                batch.put_file(
+                    rel,
+                    &FileRecord::quarantined(None, 0, 0, "path is not valid UTF-8"),
+                );
             }
         }
         self.manifest.apply(batch)?;
@@ -500,7 +503,7 @@ impl Ingestor {
         log::warn!(file = rel, reason = reason; "quarantined {rel}: {reason}");
         tx.files.insert(
             rel.to_string(),
-            Some(quarantined(hash, size, mtime_ns, reason)),
+            Some(FileRecord::quarantined(hash, size, mtime_ns, reason)),
         );
         out.quarantined.push((rel.to_string(), reason.to_string()));
     }
@@ -555,20 +558,6 @@ fn parse_hex(s: &str) -> Hash {
     blake3::Hash::from_hex(s)
         .map(|h| *h.as_bytes())
         .unwrap_or([0; 32])
-}
-
-fn quarantined(hash: Option<&Hash>, size: u64, mtime_ns: i64, reason: &str) -> FileRecord {
-    FileRecord {
-        hash: hash.map(identity::hex),
-        size,
-        mtime_ns,
-        label: None,
-        split: None,
-        row: None,
-        state: FileState::Quarantined,
-        reason: Some(reason.to_string()),
-        updated_ms: now_ms(),
-    }
 }
 
 /// Rows per split that the manifest accounts for (one past the highest row it records).

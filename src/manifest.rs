@@ -36,6 +36,24 @@ pub struct FileRecord {
     pub updated_ms: i64,
 }
 
+impl FileRecord {
+    /// A file that cannot be used, and why. Size and mtime say which bytes were judged, so the
+    /// file is retried only when they change.
+    pub fn quarantined(hash: Option<&Hash>, size: u64, mtime_ns: i64, reason: &str) -> FileRecord {
+        FileRecord {
+            hash: hash.map(crate::identity::hex),
+            size,
+            mtime_ns,
+            label: None,
+            split: None,
+            row: None,
+            state: FileState::Quarantined,
+            reason: Some(reason.to_string()),
+            updated_ms: now_ms(),
+        }
+    }
+}
+
 /// A content hash's row. Rows never move; `valid` mirrors the outputs' `valid` column.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ContentRecord {

@@ -229,7 +229,7 @@ pub fn rebuild(
     for rel in &not_utf8 {
         batch.put_file(
             rel,
-            &quarantine_record(None, 0, 0, "path is not valid UTF-8"),
+            &FileRecord::quarantined(None, 0, 0, "path is not valid UTF-8"),
         );
     }
     manifest.apply(batch)?;
@@ -254,20 +254,6 @@ fn progress_bar(enabled: bool, len: u64) -> Option<indicatif::ProgressBar> {
         .unwrap(),
     );
     Some(bar)
-}
-
-fn quarantine_record(hash: Option<&Hash>, size: u64, mtime_ns: i64, reason: &str) -> FileRecord {
-    FileRecord {
-        hash: hash.map(identity::hex),
-        size,
-        mtime_ns,
-        label: None,
-        split: None,
-        row: None,
-        state: FileState::Quarantined,
-        reason: Some(reason.to_string()),
-        updated_ms: now_ms(),
-    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -305,7 +291,7 @@ fn prepare_chunk(
             let reason = p.decoded.as_ref().err().cloned().unwrap_or_default();
             chunk
                 .quarantined
-                .push((p.rel.clone(), quarantine_record(None, 0, 0, &reason)));
+                .push((p.rel.clone(), FileRecord::quarantined(None, 0, 0, &reason)));
             continue;
         };
         let base = FileRecord {
@@ -324,7 +310,7 @@ fn prepare_chunk(
             Err(reason) => {
                 chunk.quarantined.push((
                     p.rel.clone(),
-                    quarantine_record(Some(&hash), p.size, p.mtime_ns, reason),
+                    FileRecord::quarantined(Some(&hash), p.size, p.mtime_ns, reason),
                 ));
                 continue;
             }
@@ -335,7 +321,7 @@ fn prepare_chunk(
                 let reason = e.to_string();
                 chunk.quarantined.push((
                     p.rel.clone(),
-                    quarantine_record(Some(&hash), p.size, p.mtime_ns, &reason),
+                    FileRecord::quarantined(Some(&hash), p.size, p.mtime_ns, &reason),
                 ));
                 continue;
             }
