@@ -3,28 +3,12 @@
 //! names its problem. The list comes from `cases.json`, so a new fixture without an expectation
 //! here fails the test instead of going unchecked.
 
+mod common;
 use ailhd::decode::{decode, parse_header, SampleFormat, Waveform};
-use std::path::PathBuf;
+use common::fixtures;
 
 const RATE: u32 = 4096;
 const N: usize = 40960; // 10 s
-
-/// `shared/fixtures/features`: `$AILHD_SHARED`, else `shared/` beside the checkout (as in CI),
-/// else the developer machines' `/work/shared`.
-fn fixtures() -> PathBuf {
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let candidates = [
-        std::env::var_os("AILHD_SHARED").map(PathBuf::from),
-        Some(manifest.join("../shared")),
-        Some(PathBuf::from("/work/shared")),
-    ];
-    candidates
-        .into_iter()
-        .flatten()
-        .map(|shared| shared.join("fixtures/features"))
-        .find(|dir| dir.join("cases.json").is_file())
-        .expect("no fixtures: set AILHD_SHARED to the shared/ directory")
-}
 
 fn read(name: &str) -> Vec<u8> {
     let path = fixtures().join("wav").join(format!("{name}.wav"));

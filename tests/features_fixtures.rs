@@ -2,76 +2,15 @@
 //! every valid recording, both setups, decoded by `ailhd::decode` and compared under the
 //! tolerance `cases.json` gives for it. Also: a row never depends on its batch.
 
+mod common;
 use ailhd::config::FeatureSettings;
 use ailhd::decode::{decode, Waveform};
 use ailhd::features::cpu::CpuFeaturiser;
 use ailhd::features::mel::check_accuracy;
 use ailhd::features::Featuriser;
+use common::{cases, fixtures, read_npy_f32};
 use half::f16;
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-
-/// `$AILHD_SHARED`, else `../shared` beside the project, else `/work/shared`.
-fn shared_dir() -> PathBuf {
-    let candidates = [
-        std::env::var_os("AILHD_SHARED").map(PathBuf::from),
-        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared")),
-        Some(PathBuf::from("/work/shared")),
-    ];
-    candidates
-        .into_iter()
-        .flatten()
-        .find(|p| p.join("fixtures/features/cases.json").is_file())
-        .expect("fixtures not found: set AILHD_SHARED to the shared/ directory")
-}
-
-fn fixtures() -> PathBuf {
-    shared_dir().join("fixtures/features")
-}
-
-fn cases() -> Value {
-    let path = fixtures().join("cases.json");
-    serde_json::from_slice(&std::fs::read(&path).unwrap())
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-/// A float32 little-endian, C-order .npy: (shape, data).
-fn read_npy(path: &Path) -> (Vec<usize>, Vec<f32>) {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    assert_eq!(&bytes[..6], b"\x93NUMPY", "{}: not a .npy", path.display());
-    let (header_len, start) = match bytes[6] {
-        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
-        _ => (
-            u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize,
-            12,
-        ),
-    };
-    let header = std::str::from_utf8(&bytes[start..start + header_len]).unwrap();
-    assert!(header.contains("'descr': '<f4'"), "{header}");
-    assert!(header.contains("'fortran_order': False"), "{header}");
-    let dims = header
-        .split("'shape': (")
-        .nth(1)
-        .and_then(|s| s.split(')').next())
-        .unwrap_or_else(|| panic!("no shape in {header}"));
-    let shape: Vec<usize> = dims
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse().unwrap())
-        .collect();
-    let data: Vec<f32> = bytes[start + header_len..]
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    assert_eq!(
-        data.len(),
-        shape.iter().product::<usize>(),
-        "{}",
-        path.display()
-    );
-    (shape, data)
-}
 
 fn setups() -> Vec<(&'static str, FeatureSettings)> {
     vec![
@@ -146,7 +85,7 @@ fn every_valid_fixture_meets_its_tolerance() {
             let wav = load(&name, &settings);
             let row = featurise(&mut f, &[&wav]);
             let path = fixtures().join(format!("expected/{setup}/{name}.npy"));
-            let (dims, exact) = read_npy(&path);
+            let (dims, exact) = read_npy_f32(&path);
             assert_eq!(dims, shape.row_dims(), "{}", path.display());
             let exact: Vec<f64> = exact.iter().map(|&x| x as f64).collect();
             if tolerance.starts_with("f16ulp") {

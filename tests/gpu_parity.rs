@@ -6,6 +6,7 @@
 //! reference fixtures (the index arithmetic, filterbank, dB, clamp and float16 store; a float64
 //! DFT stands in for cuFFT).
 
+mod common;
 use ailhd::config::FeatureSettings;
 use ailhd::decode::Waveform;
 use ailhd::features::cpu::CpuFeaturiser;
@@ -14,6 +15,7 @@ use ailhd::features::cuda::{
 };
 use ailhd::features::mel::check_accuracy;
 use ailhd::features::Featuriser;
+use common::{read_npy_f32, shared};
 use half::f16;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -557,17 +559,6 @@ fn kernel_source_on_the_host_follows_the_definition_with_several_frames_per_wind
 // ---------------------------------------------------------------------------------------------
 // Fixtures.
 
-fn shared_dir() -> PathBuf {
-    if let Some(p) = std::env::var_os("AILHD_SHARED") {
-        return PathBuf::from(p);
-    }
-    let beside = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared");
-    if beside.is_dir() {
-        return beside;
-    }
-    PathBuf::from("/work/shared")
-}
-
 struct Case {
     name: String,
     waveform: Waveform,
@@ -620,17 +611,17 @@ fn check_resampled(expected: &[f64], rows: &[f16]) -> Result<String, String> {
 impl Case {
     /// Reference values (float64 computation stored as float32) for `setup`.
     fn expected(&self, setup: &str) -> Vec<f64> {
-        let path = shared_dir()
+        let path = shared()
             .join("fixtures/features/expected")
             .join(setup)
             .join(format!("{}.npy", self.name));
-        read_npy_f32(&path)
+        read_npy_f32(&path).1.into_iter().map(f64::from).collect()
     }
 }
 
 /// The valid fixtures, decoded by the project's decoder (CONTRACT.md's first paragraph).
 fn valid_cases(settings: &FeatureSettings) -> Vec<Case> {
-    let root = shared_dir().join("fixtures/features");
+    let root = shared().join("fixtures/features");
     let text = std::fs::read_to_string(root.join("cases.json"))
         .unwrap_or_else(|e| panic!("{}: {e}", root.join("cases.json").display()));
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -652,24 +643,5 @@ fn valid_cases(settings: &FeatureSettings) -> Vec<Case> {
                 resampled: tolerance.starts_with("resampled"),
             }
         })
-        .collect()
-}
-
-fn read_npy_f32(path: &Path) -> Vec<f64> {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    assert_eq!(&bytes[..6], b"\x93NUMPY", "{}", path.display());
-    let (header_len, start) = match bytes[6] {
-        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
-        _ => (
-            u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize,
-            12,
-        ),
-    };
-    let header = std::str::from_utf8(&bytes[start..start + header_len]).unwrap();
-    assert!(header.contains("'<f4'"), "{}: {header}", path.display());
-    assert!(header.contains("'fortran_order': False"), "{header}");
-    bytes[start + header_len..]
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
         .collect()
 }
