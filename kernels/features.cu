@@ -1,10 +1,11 @@
-// GPU featuriser kernels: int16/float samples -> windowed frames -> (cuFFT R2C, on the host side)
+// GPU featuriser kernels: int16/float samples -> windowed frames -> (cuFFT R2C or D2Z, on the host side)
 // -> |X|^power -> sparse mel -> dB -> per-recording top_db clamp -> float16 rows laid out
 // [file][long][short][mel][t] (CONTRACT.md, "Features"). src/features/cuda.rs embeds this file and
 // compiles it with NVRTC once at start-up for the device's architecture.
 //
-// All arithmetic is float32: the accuracy rule forbids float16/bfloat16 math, so half precision
-// appears only in the final store. Every kernel but finalize_rows uses grid-stride loops, so any
+// Frames and the FFT are float32 or float64 as the accuracy rule needs (src/features/mod.rs,
+// `Precision`); everything after |X|^2 is float32; half precision appears only in the final
+// store (the rule forbids float16/bfloat16 math). Every kernel but finalize_rows uses grid-stride loops, so any
 // grid size is correct; finalize_rows needs exactly FINALIZE_THREADS threads per block.
 //
 // tests/gpu_parity.rs compiles this same file with g++ (AILHD_HOST_EMULATION defined, CUDA built-ins
@@ -64,57 +65,51 @@ AILHD_DEVICE u64 frame_start(const Geometry& g, u64 frame) {
            t * (u64)g.hop_length;
 }
 
-// Kernel 1 (int16 path, the common one): frames[frame][i] = pcm[start + i] / 32768 * window[i].
-// The scale by 2^-15 is exact, so this equals the float path on the same recording bit for bit.
-extern "C" __global__ void frame_pcm16(const Geometry g, const short* __restrict__ pcm,
-                                       const float* __restrict__ window,
-                                       float* __restrict__ frames, int n_files) {
+// Kernel 1: frames[frame][i] = sample[start + i] * window[i], in the FFT's precision `Real`
+// (float for R2C, double for D2Z: see "Precision" in src/features/mod.rs). int16 samples are
+// scaled by 2^-15, exactly, so both input paths give the same frames for the same recording.
+AILHD_DEVICE float sample_value(short s) { return (float)s * (1.0f / 32768.0f); }
+AILHD_DEVICE float sample_value(float s) { return s; }
+
+template <typename Sample, typename Real>
+AILHD_DEVICE void frame_impl(const Geometry& g, const Sample* __restrict__ samples,
+                             const Real* __restrict__ window, Real* __restrict__ frames,
+                             int n_files) {
     const u64 total = (u64)n_files * (u64)g.frames_per_file * (u64)g.n_fft;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += stride) {
         const u64 i = idx % (u64)g.n_fft;
         const u64 frame = idx / (u64)g.n_fft;
-        const float x = (float)pcm[frame_start(g, frame) + i] * (1.0f / 32768.0f);
-        frames[idx] = x * window[i];
+        const float x = sample_value(samples[frame_start(g, frame) + i]);
+        frames[idx] = (Real)x * window[i];
     }
 }
 
-// Kernel 1 (float path): recordings that decoded to float (other encodings, resampled).
-extern "C" __global__ void frame_f32(const Geometry g, const float* __restrict__ samples,
-                                     const float* __restrict__ window,
-                                     float* __restrict__ frames, int n_files) {
-    const u64 total = (u64)n_files * (u64)g.frames_per_file * (u64)g.n_fft;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += stride) {
-        const u64 i = idx % (u64)g.n_fft;
-        const u64 frame = idx / (u64)g.n_fft;
-        frames[idx] = samples[frame_start(g, frame) + i] * window[i];
-    }
-}
-
-// Kernel 2: one thread per (frame, mel). spectrum is cuFFT's R2C output, interleaved re/im,
-// n_freqs bins per frame. The filterbank is CSR: filter m covers bins
-// mel_start[m] .. mel_start[m] + (mel_offset[m+1] - mel_offset[m]) with weights
-// mel_weights[mel_offset[m] ..]. Each bin's power is recomputed by the (at most two) filters that
-// cover it: cheaper than a pass through global memory, and the same value both times.
-extern "C" __global__ void power_mel_db(const Geometry g, const float* __restrict__ spectrum,
-                                        const int* __restrict__ mel_start,
-                                        const int* __restrict__ mel_offset,
-                                        const float* __restrict__ mel_weights,
-                                        float* __restrict__ mel_db, int n_files) {
+// Kernel 2: one thread per (frame, mel). spectrum is cuFFT's R2C (float2) or D2Z (double2)
+// output, interleaved re/im, n_freqs bins per frame. |X|^2 is formed in the FFT's precision and
+// rounded once to float; everything after it is float, as on the CPU. The filterbank is CSR:
+// filter m covers bins mel_start[m] .. mel_start[m] + (mel_offset[m+1] - mel_offset[m]) with
+// weights mel_weights[mel_offset[m] ..]. Each bin's power is recomputed by the (at most two)
+// filters that cover it: cheaper than a pass through global memory, and the same value both times.
+template <typename Real>
+AILHD_DEVICE void power_mel_db_impl(const Geometry& g, const Real* __restrict__ spectrum,
+                                    const int* __restrict__ mel_start,
+                                    const int* __restrict__ mel_offset,
+                                    const float* __restrict__ mel_weights,
+                                    float* __restrict__ mel_db, int n_files) {
     const u64 total = (u64)n_files * (u64)g.frames_per_file * (u64)g.n_mels;
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += stride) {
         const u64 mel = idx % (u64)g.n_mels;
         const u64 frame = idx / (u64)g.n_mels;
-        const float* bins = spectrum + 2 * frame * (u64)g.n_freqs + 2 * (u64)mel_start[mel];
+        const Real* bins = spectrum + 2 * frame * (u64)g.n_freqs + 2 * (u64)mel_start[mel];
         const int k0 = mel_offset[mel];
         const int k1 = mel_offset[mel + 1];
         float acc = 0.0f;
         for (int k = k0; k < k1; ++k) {
-            const float re = bins[2 * (k - k0)];
-            const float im = bins[2 * (k - k0) + 1];
-            const float p2 = re * re + im * im;
+            const Real re = bins[2 * (k - k0)];
+            const Real im = bins[2 * (k - k0) + 1];
+            const float p2 = (float)(re * re + im * im);
             float p;
             if (g.power == 2.0f) {
                 p = p2;
@@ -132,6 +127,30 @@ extern "C" __global__ void power_mel_db(const Geometry g, const float* __restric
         mel_db[(window_idx * (u64)g.n_mels + mel) * (u64)g.t_frames + t] = db;
     }
 }
+
+// The entry points, one per (input, precision): extern "C" names for the driver.
+#define AILHD_FRAME_KERNEL(name, Sample, Real)                                                   \
+    extern "C" __global__ void name(const Geometry g, const Sample* __restrict__ samples,        \
+                                    const Real* __restrict__ window, Real* __restrict__ frames,  \
+                                    int n_files) {                                               \
+        frame_impl<Sample, Real>(g, samples, window, frames, n_files);                           \
+    }
+AILHD_FRAME_KERNEL(frame_pcm16_f32, short, float)
+AILHD_FRAME_KERNEL(frame_f32_f32, float, float)
+AILHD_FRAME_KERNEL(frame_pcm16_f64, short, double)
+AILHD_FRAME_KERNEL(frame_f32_f64, float, double)
+
+#define AILHD_MEL_KERNEL(name, Real)                                                             \
+    extern "C" __global__ void name(const Geometry g, const Real* __restrict__ spectrum,         \
+                                    const int* __restrict__ mel_start,                           \
+                                    const int* __restrict__ mel_offset,                          \
+                                    const float* __restrict__ mel_weights,                       \
+                                    float* __restrict__ mel_db, int n_files) {                   \
+        power_mel_db_impl<Real>(g, spectrum, mel_start, mel_offset, mel_weights, mel_db,         \
+                                n_files);                                                        \
+    }
+AILHD_MEL_KERNEL(power_mel_db_f32, float)
+AILHD_MEL_KERNEL(power_mel_db_f64, double)
 
 // Kernel 3: one block per recording (grid-stride over recordings). With use_top_db, clamp from
 // below at the recording's maximum - top_db (per recording, never per batch: a row must not depend

@@ -7,13 +7,13 @@
 //! without shuffles, and the spectrum comes out bin-major (`[bin][lane]`), the layout in which
 //! the filterbank is one vector multiply-add per weight. (With realfft, one frame at a time, its
 //! scalar real-to-complex post-processing and our transposition cost more than the FFT itself.)
-//! The FFT runs in f64 or f32 as the accuracy rule requires ([`Precision`]); everything after it
+//! The FFT runs in f64 or f32 as the accuracy rule requires ([`Precision`](super::Precision)); everything after it
 //! (magnitude, filterbank, logarithm) in f32. realfft (f64) remains for FFT sizes that are not a
 //! power of two.
 
 use super::mel::{self, SparseMel};
-use super::Featuriser;
-use crate::config::{DbMode, FeatureSettings, FeatureShape};
+use super::{Featuriser, Precision};
+use crate::config::{FeatureSettings, FeatureShape};
 use crate::decode::Waveform;
 use anyhow::Context;
 use half::f16;
@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 const LANES: usize = 8;
 type Lanes = [f32; LANES];
 
-/// The element type of an FFT: f32 or f64 (see [`Precision`]).
+/// The element type of an FFT: f32 or f64 (see [`Precision`](super::Precision)).
 trait Real:
     Copy
     + Default
@@ -726,33 +726,6 @@ fn pack<F: Vector<Elem = f32>, V: Vector, T>(
     }
 }
 
-/// The FFT's element type. f32 rounding puts an error of ~1e-8 of a frame's largest bin into
-/// every bin. The accuracy rule looks at values down to 100 dB (1e-5 in amplitude) below the
-/// recording's maximum, with ~1e-3 relative precision: for a magnitude spectrogram of a tonal
-/// 16-bit recording, the quantisation floor lands right there and an f32 FFT breaks the rule
-/// (test `f32_fft_is_not_enough_for_magnitude_spectrograms`: errors up to 1.9x the tolerance;
-/// f64: 0.0005x). Where a top_db clamp of at most 80 dB replaces everything deeper by a
-/// constant, f32 stays under 0.1x the tolerance on the same signals and is twice as fast.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Precision {
-    F32,
-    F64,
-}
-
-impl Precision {
-    fn for_settings(settings: &FeatureSettings) -> Precision {
-        let depth = match (settings.db, settings.top_db) {
-            (DbMode::AmplitudeToDb, Some(top_db)) => top_db.min(100.0),
-            _ => 100.0,
-        };
-        if depth <= 80.0 {
-            Precision::F32
-        } else {
-            Precision::F64
-        }
-    }
-}
-
 /// How a spectrum is computed.
 enum Engine {
     F32(LaneFft<f32>),
@@ -1147,65 +1120,7 @@ mod tests {
         }
     }
 
-    /// The feature definition written out plainly in f64: a naive DFT per frame, the dense
-    /// filterbank, f64 logarithms. Slow and obviously right; the fast path is held against it.
-    pub(super) fn reference(wav: &Waveform, settings: &FeatureSettings) -> Vec<f64> {
-        let shape = settings.shape();
-        let n = settings.n_fft;
-        let n_freqs = n / 2 + 1;
-        let hann = mel::hann_periodic(n);
-        let fb = mel::mel_filterbank(
-            n_freqs,
-            settings.f_min,
-            settings.f_max_hz(),
-            settings.n_mels,
-            settings.sample_rate,
-            settings.mel_norm,
-            settings.mel_scale,
-        );
-        let (cos, sin): (Vec<f64>, Vec<f64>) = (0..n)
-            .map(|i| {
-                let a = 2.0 * std::f64::consts::PI * i as f64 / n as f64;
-                (a.cos(), a.sin())
-            })
-            .unzip();
-        let sample = |i: usize| match wav {
-            Waveform::Pcm16(v) => v[i] as f64 / 32768.0,
-            Waveform::Float(v) => v[i] as f64,
-        };
-        let m = mel::db_multiplier(settings);
-        let mut row = vec![0.0; shape.row_len()];
-        for l in 0..shape.num_long {
-            for s in 0..shape.num_short {
-                for t in 0..shape.t_frames {
-                    let off =
-                        l * settings.long_hop + s * settings.short_hop + t * settings.hop_length;
-                    let x: Vec<f64> = (0..n).map(|i| sample(off + i) * hann[i]).collect();
-                    let spec: Vec<f64> = (0..n_freqs)
-                        .map(|k| {
-                            let (mut re, mut im) = (0.0, 0.0);
-                            for (i, &xi) in x.iter().enumerate() {
-                                re += xi * cos[(k * i) % n];
-                                im -= xi * sin[(k * i) % n];
-                            }
-                            (re * re + im * im).sqrt().powf(settings.power)
-                        })
-                        .collect();
-                    for (j, w) in fb.iter().enumerate() {
-                        let v: f64 = w.iter().zip(&spec).map(|(a, b)| a * b).sum();
-                        let idx =
-                            ((l * shape.num_short + s) * shape.n_mels + j) * shape.t_frames + t;
-                        row[idx] = m * v.max(1e-10).log10();
-                    }
-                }
-            }
-        }
-        if let (DbMode::AmplitudeToDb, Some(top)) = (settings.db, settings.top_db) {
-            let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            row.iter_mut().for_each(|v| *v = v.max(max - top));
-        }
-        row
-    }
+    use crate::features::reference::row as reference;
 
     fn run(settings: &FeatureSettings, wav: &Waveform) -> Vec<f16> {
         let mut f = CpuFeaturiser::new(settings, 1).unwrap();
@@ -1329,7 +1244,7 @@ mod tests {
     }
 
     /// A loud tone over a faint noise floor (16-bit quantisation or below): the case that needs
-    /// the f64 FFT for magnitude spectrograms (see [`Precision`]).
+    /// the f64 FFT for magnitude spectrograms (see [`Precision`](super::Precision)).
     fn tonal(num_samples: usize, count: usize) -> Vec<(String, Waveform)> {
         let mut rng = Rng(12345);
         let tau = 2.0 * std::f64::consts::PI;
@@ -1423,9 +1338,8 @@ mod tests {
     }
 
     /// Why the default setup gets an f64 FFT: with an f32 one, tonal 16-bit recordings break the
-    /// rule. Slow (a naive DFT per frame); run with --ignored to see the figures.
+    /// rule.
     #[test]
-    #[ignore]
     fn f32_fft_is_not_enough_for_magnitude_spectrograms() {
         let settings = FeatureSettings::default();
         let signals = tonal(settings.shape().num_samples, 20);
