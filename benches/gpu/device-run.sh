@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks and figures on a CUDA host with no Rust toolchain: the release binary, the shared
-# fixtures and make_dataset.py are carried in $CARRY (default .device-carry). Steps (names on the
-# command line, default all): info, doctor, parity, bench. Logs go to $OUT (or /tmp/ailhd-gpu).
+# fixtures (shared/fixtures/features), make_dataset.py, and optionally the release builds of the
+# gpu_parity test and the daemon benchmark are carried in $CARRY (default .device-carry). Steps
+# (names on the command line, default all): info, doctor, tests, parity, bench, daemon. Logs go to $OUT (or /tmp/ailhd-gpu).
 set -uo pipefail
 CARRY=${CARRY:-.device-carry}
 OUT=${OUT:-/tmp/ailhd-gpu}
@@ -33,7 +34,7 @@ doctor)
     "$BIN" doctor 2>&1 | tee "$OUT/doctor.txt"
     ;;
 parity)
-    rm -rf "$W/fx"; mkdir -p "$W/fx/LEAK"; cp "$CARRY"/fixtures/wav/*.wav "$W/fx/LEAK/"
+    rm -rf "$W/fx"; mkdir -p "$W/fx/LEAK"; cp "$CARRY"/shared/fixtures/features/wav/*.wav "$W/fx/LEAK/"
     for setup in default overlap32; do
         feat=/dev/null; [ $setup = overlap32 ] && feat="$CARRY/overlap32.toml"
         for dev in cuda cpu; do
@@ -43,12 +44,12 @@ parity)
                 || { echo "rebuild $setup $dev FAILED"; tail -20 "$OUT/parity-$setup-$dev.log"; }
         done
         echo "== $setup: cuda vs reference (and vs cpu)"
-        python3 "$HERE/parity.py" "$W/out-$setup-cuda" "$CARRY/fixtures/expected/$setup" "$W/out-$setup-cpu" | tee "$OUT/parity-$setup.txt" | tail -25
+        python3 "$HERE/parity.py" "$W/out-$setup-cuda" "$CARRY/shared/fixtures/features/expected/$setup" "$W/out-$setup-cpu" | tee "$OUT/parity-$setup.txt" | tail -25
     done
     ;;
 bench)
     [ -d "$W/tree" ] || python3 "$CARRY/make_dataset.py" "$W/tree" "$N" 1 >/dev/null
-    cat "$W"/tree/*/* >/dev/null  # warm page cache
+    find "$W/tree" -type f -exec cat {} + >/dev/null  # warm page cache
     for round in 1 2; do
         for dev in cuda cpu; do
             rm -rf "$W/big-$dev" "$W/big-$dev.state"
@@ -60,5 +61,16 @@ bench)
         done
         python3 "$HERE/torchaudio_baseline.py" "$W/tree" "$W/torchaudio.h5" 2>&1 | tail -2
     done
+    ;;
+tests)
+    # The GPU tests, release build: they fail (not skip) when the GPU is present but unusable.
+    AILHD_SHARED="$CARRY/shared" "$CARRY/gpu_parity" --test-threads 1 --nocapture 2>&1 | tee "$OUT/tests.txt" | grep -E "^test |test result|skipping|panicked|GPU vs reference" | head -60
+    ;;
+daemon)
+    # The service's latency at 100 clips/s and a burst, featurising on the GPU. The benchmark
+    # runs the binary at the path cargo baked into it.
+    exe=$(strings "$CARRY/daemon_bench" | grep -o -m1 '/[A-Za-z0-9_/.-]*/target/release/ailhd' | head -1)
+    mkdir -p "$(dirname "$exe")"; cp "$BIN" "$exe"
+    AILHD_INGEST__DEVICE=cuda "$CARRY/daemon_bench" ${DAEMON_ARGS:-1000 5000} 2>&1 | tee "$OUT/daemon-cuda.txt" | tail -20
     ;;
 esac; done

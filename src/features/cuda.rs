@@ -690,6 +690,11 @@ struct Slot {
     /// tracks device buffers itself, but not plain slices of pinned memory, which is what we copy
     /// so that a partial chunk transfers only its own bytes.)
     uploaded: CudaEvent,
+    /// Timing marks (see [`DeviceTimes`]): before the upload, when the kernels may start (the
+    /// upload is done), after the last kernel.
+    upload_start: CudaEvent,
+    compute_start: CudaEvent,
+    compute_end: CudaEvent,
     /// Recorded after the download into `rows_host`: the host waits on it before reading.
     downloaded: CudaEvent,
     files: usize,
@@ -748,6 +753,21 @@ pub struct CudaFeaturiser {
     ctx: Arc<CudaContext>,
     /// Set when cudarc panicked mid-batch: the device state is unknown, so refuse further work.
     poisoned: Option<String>,
+    times: DeviceTimes,
+}
+
+/// Where a chunk's time goes, summed over chunks (seconds): the host copying recordings into
+/// pinned staging; the upload (host to device); the kernels and FFT; the download of the rows
+/// (from the last kernel's end, so it includes any wait for the download stream).
+#[derive(Debug, Default, Clone, Copy, Serialize)]
+pub struct DeviceTimes {
+    pub stage: f64,
+    pub upload: f64,
+    pub compute: f64,
+    pub download: f64,
+    pub chunks: u64,
+    /// Building the featuriser: context, NVRTC, plans, buffers and the self-check.
+    pub start: f64,
 }
 
 impl CudaFeaturiser {
@@ -756,6 +776,7 @@ impl CudaFeaturiser {
     /// (no driver, no GPU, NVRTC or cuFFT missing, out of memory, a mismatch) is an error that
     /// says what went wrong; it never panics.
     pub fn new(settings: &FeatureSettings) -> anyhow::Result<Self> {
+        let started = std::time::Instant::now();
         let tables = KernelTables::new(settings)?;
         let missing: Vec<String> = probe_libraries()
             .iter()
@@ -766,13 +787,21 @@ impl CudaFeaturiser {
             bail!("{}", missing.join("; "));
         }
         let mut featuriser = guarded(|| Self::build(settings, &tables))?;
+        let built = started.elapsed().as_secs_f64();
         featuriser
             .self_check(settings)
             .context("GPU start-up self-check")?;
+        featuriser.times = DeviceTimes {
+            start: started.elapsed().as_secs_f64(),
+            ..DeviceTimes::default()
+        };
         log::info!(
-            "CUDA featuriser ready on {} ({} recordings per chunk)",
+            "CUDA featuriser ready on {} ({} recordings per chunk, {:?} FFT) in {:.2} s ({:.2} s to build, the rest self-check)",
             featuriser.name,
-            featuriser.chunk_files
+            featuriser.chunk_files,
+            featuriser.geometry_precision(),
+            featuriser.times.start,
+            built
         );
         Ok(featuriser)
     }
@@ -865,6 +894,9 @@ impl CudaFeaturiser {
                 rows_dev: compute.alloc_zeros::<u16>(rows_cap)?,
                 rows_host,
                 uploaded: ctx.new_event(blocking)?,
+                upload_start: ctx.new_event(None)?,
+                compute_start: ctx.new_event(None)?,
+                compute_end: ctx.new_event(None)?,
                 downloaded: ctx.new_event(blocking)?,
                 files: 0,
                 path: InputPath::Pcm16,
@@ -906,6 +938,7 @@ impl CudaFeaturiser {
             download,
             ctx,
             poisoned: None,
+            times: DeviceTimes::default(),
         })
     }
 
@@ -944,6 +977,18 @@ impl CudaFeaturiser {
         Ok(())
     }
 
+    fn geometry_precision(&self) -> Precision {
+        match self.fft {
+            FftBuffers::F32 { .. } => Precision::F32,
+            FftBuffers::F64 { .. } => Precision::F64,
+        }
+    }
+
+    /// Device times so far (see [`DeviceTimes`]).
+    pub fn device_times(&self) -> DeviceTimes {
+        self.times
+    }
+
     /// Recordings per chunk (the device buffers hold this many; bigger batches are pipelined).
     pub fn chunk_files(&self) -> usize {
         self.chunk_files
@@ -968,6 +1013,7 @@ impl CudaFeaturiser {
         let slot = &mut self.slots[s];
         // The previous upload from this staging must be finished before we overwrite it.
         slot.uploaded.synchronize()?;
+        let staging_started = std::time::Instant::now();
         slot.files = files.len();
         slot.path = if files.iter().all(|w| matches!(w, Waveform::Pcm16(_))) {
             InputPath::Pcm16
@@ -985,6 +1031,8 @@ impl CudaFeaturiser {
                             dst.copy_from_slice(v);
                         }
                     });
+                self.times.stage += staging_started.elapsed().as_secs_f64();
+                slot.upload_start.record(&self.upload)?;
                 self.upload
                     .memcpy_htod(&host[..files.len() * n], &mut slot.pcm_dev)?;
             }
@@ -1006,6 +1054,8 @@ impl CudaFeaturiser {
                     .par_chunks_mut(n)
                     .zip(files.par_iter())
                     .for_each(|(dst, w)| w.copy_to_f32(0, dst));
+                self.times.stage += staging_started.elapsed().as_secs_f64();
+                slot.upload_start.record(&self.upload)?;
                 self.upload.memcpy_htod(&host[..files.len() * n], dev)?;
             }
         }
@@ -1020,8 +1070,12 @@ impl CudaFeaturiser {
         let n = files as i32;
         let frames = files * g.frames_per_file as usize;
 
-        let cfg = self.grid(frames * g.n_fft as usize);
         let slot = &self.slots[s];
+        // Explicitly after the upload (cudarc would also order the kernels after it), so that
+        // compute_start marks when the kernels can run.
+        self.compute.wait(&slot.uploaded)?;
+        slot.compute_start.record(&self.compute)?;
+        let cfg = self.grid(frames * g.n_fft as usize);
         let (function, what) = match slot.path {
             InputPath::Pcm16 => (&self.kernels.frame_pcm16, "frame_pcm16"),
             InputPath::Float => (&self.kernels.frame_f32, "frame_f32"),
@@ -1104,6 +1158,7 @@ impl CudaFeaturiser {
         // FINALIZE_THREADS threads per block.
         unsafe { launch.launch(cfg) }.context("launching finalize_rows")?;
 
+        slot.compute_end.record(&self.compute)?;
         let len = files * g.row_len as usize;
         let host = slot.rows_host.as_mut_slice()?;
         let rows = slot.rows_dev.slice(0..len);
@@ -1118,6 +1173,12 @@ impl CudaFeaturiser {
         slot.downloaded
             .synchronize()
             .context("waiting for the GPU (an earlier kernel may have failed)")?;
+        // All of the slot's events have completed: add up its device times.
+        let ms = |a: &CudaEvent, b: &CudaEvent| a.elapsed_ms(b).map(|t| t as f64 * 1e-3);
+        self.times.upload += ms(&slot.upload_start, &slot.uploaded)?;
+        self.times.compute += ms(&slot.compute_start, &slot.compute_end)?;
+        self.times.download += ms(&slot.compute_end, &slot.downloaded)?;
+        self.times.chunks += 1;
         let host = slot.rows_host.as_slice()?;
         let len = out.len();
         bytemuck::cast_slice_mut::<f16, u16>(out).copy_from_slice(&host[..len]);
@@ -1166,6 +1227,10 @@ impl Featuriser for CudaFeaturiser {
         self.name.clone()
     }
 
+    fn device_times(&self) -> Option<DeviceTimes> {
+        Some(self.times)
+    }
+
     fn shape(&self) -> FeatureShape {
         self.shape
     }
@@ -1203,6 +1268,13 @@ impl Featuriser for CudaFeaturiser {
 
 impl Drop for CudaFeaturiser {
     fn drop(&mut self) {
+        let t = self.times;
+        if t.chunks > 0 {
+            log::info!(
+                "GPU featuriser, {} chunks: staging {:.3} s, upload {:.3} s, kernels and FFT {:.3} s, download {:.3} s (start-up {:.2} s)",
+                t.chunks, t.stage, t.upload, t.compute, t.download, t.start
+            );
+        }
         // Copies may still be in flight after an error; the pinned buffers must outlive them.
         let healthy = self.ctx.synchronize().is_ok() && self.poisoned.is_none();
         if !healthy {

@@ -20,6 +20,10 @@ pub trait Featuriser: Send {
     /// Featurise `batch`; `out` holds `batch.len() * shape().row_len()` values, row i at
     /// `i * row_len`. A row depends only on its own waveform (never on the rest of the batch).
     fn featurise(&mut self, batch: &[&Waveform], out: &mut [f16]) -> anyhow::Result<()>;
+    /// A GPU's own stage times (staging, upload, kernels, download); None on the CPU.
+    fn device_times(&self) -> Option<cuda::DeviceTimes> {
+        None
+    }
 }
 
 /// Build the featuriser for `choice`: `Cpu` always works; `Cuda` fails with the reason when no

@@ -1,5 +1,7 @@
 //! The enabled outputs of every split, driven together: an append goes to the HDF5 file and to
-//! the npy columns of its split, so both always hold the same rows at the same indices.
+//! the npy columns of its split, so both always hold the same rows at the same indices. The
+//! sinks of an append or a commit work at the same time, each on its own thread: writing both
+//! outputs would otherwise cost their sum on the writer's critical path.
 
 use super::hdf5::Hdf5Sink;
 use super::npy::NpySink;
@@ -106,17 +108,15 @@ impl OutputSet {
         waveform: Option<&[f32]>,
         meta: &[RowMeta],
     ) -> anyhow::Result<u64> {
-        let mut first = None;
-        for sink in &mut self.splits[split] {
-            let at = sink.append(mel, waveform, meta)?;
-            ensure!(
-                first.is_none_or(|f| f == at),
-                "outputs of split {} out of step",
-                SPLITS[split]
-            );
-            first = Some(at);
-        }
-        Ok(first.unwrap_or(0))
+        let at = concurrently(&mut self.splits[split], |sink| {
+            sink.append(mel, waveform, meta)
+        })?;
+        ensure!(
+            at.windows(2).all(|w| w[0] == w[1]),
+            "outputs of split {} out of step ({at:?})",
+            SPLITS[split]
+        );
+        Ok(at.first().copied().unwrap_or(0))
     }
 
     /// The label list grew (`labels.unknown = "append"`): rewrite the label attributes.
@@ -141,10 +141,13 @@ impl OutputSet {
 
     /// Make every appended row of every split durable and visible.
     pub fn commit(&mut self) -> anyhow::Result<()> {
-        self.splits
+        let mut all: Vec<&mut dyn SplitSink> = self
+            .splits
             .iter_mut()
             .flatten()
-            .try_for_each(|s| s.commit())
+            .map(|s| &mut **s as &mut dyn SplitSink)
+            .collect();
+        concurrently(&mut all, |sink| sink.commit()).map(drop)
     }
 
     pub fn close(self) -> anyhow::Result<()> {
@@ -158,4 +161,34 @@ impl OutputSet {
 enum Kind {
     Hdf5,
     Npy,
+}
+
+/// `f` on every sink at once: the first on this thread, the others on scoped threads (HDF5 calls
+/// serialise on the library's lock; npy and fsyncs run beside them). Results in sink order; the
+/// first error wins.
+fn concurrently<S, T>(
+    sinks: &mut [S],
+    f: impl Fn(&mut dyn SplitSink) -> anyhow::Result<T> + Sync,
+) -> anyhow::Result<Vec<T>>
+where
+    S: std::ops::DerefMut<Target = dyn SplitSink> + Send,
+    T: Send,
+{
+    let Some((first, rest)) = sinks.split_first_mut() else {
+        return Ok(Vec::new());
+    };
+    let f = &f;
+    std::thread::scope(|scope| {
+        let others: Vec<_> = rest
+            .iter_mut()
+            .map(|sink| scope.spawn(move || f(&mut **sink)))
+            .collect();
+        let mut out = vec![f(&mut **first)];
+        out.extend(
+            others
+                .into_iter()
+                .map(|h| h.join().expect("an output sink panicked")),
+        );
+        out.into_iter().collect()
+    })
 }
