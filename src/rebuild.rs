@@ -13,7 +13,7 @@ use crate::output::set::OutputSet;
 use crate::output::{OutputHeader, RowMeta};
 use crate::pipeline::{self, StageTimes};
 use crate::staging;
-use anyhow::Context;
+use anyhow::{ensure, Context};
 use half::f16;
 use rayon::prelude::*;
 use std::collections::{HashMap, HashSet};
@@ -95,6 +95,8 @@ struct Chunk {
     new_rows: [Vec<(RowMeta, FileRecord)>; 3],
     mel: [Vec<f16>; 3],
     waveform: [Vec<f32>; 3],
+    /// The decoded recordings of `new_rows`, until the featuriser has turned them into `mel`.
+    waves: [Vec<crate::decode::Waveform>; 3],
     /// Files whose bytes were seen earlier: they share the first one's row.
     duplicates: Vec<(String, Hash, FileRecord)>,
     quarantined: Vec<(String, FileRecord)>,
@@ -121,6 +123,13 @@ pub fn rebuild(
     } else {
         Vec::new()
     };
+    // Building a GPU featuriser (context, NVRTC, plans, self-check) takes a good part of a
+    // second: it runs while the tree is scanned and the first chunk is read.
+    let threads = settings.worker_threads();
+    let featuriser_start = {
+        let features = settings.features.clone();
+        std::thread::spawn(move || features::build(&features, device, threads))
+    };
     let (files, not_utf8) = scan(&settings.paths.recordings)?;
     let mut labels = LabelSet::new(
         &settings.labels.names,
@@ -134,8 +143,9 @@ pub fn rebuild(
     }
     let appended: Vec<String> = labels.names[settings.labels.names.len()..].to_vec();
 
-    let threads = settings.worker_threads();
-    let mut featuriser = features::build(&settings.features, device, threads)?;
+    let mut featuriser = featuriser_start
+        .join()
+        .expect("featuriser start-up panicked")?;
     log::info!(
         "rebuild: {} recordings under {}, featurising on {}",
         files.len(),
@@ -177,11 +187,25 @@ pub fn rebuild(
             .push((rel.clone(), "path is not valid UTF-8".into()));
     }
 
+    // Three stages at once, with a chunk in flight between each: read/hash/decode on the pool
+    // (this thread), featurise (its own thread), write (its own thread).
     let (tx, rx) = crossbeam_channel::bounded::<Chunk>(1);
+    let (featurised_tx, featurised_rx) = crossbeam_channel::bounded::<Chunk>(1);
+    let shape = featuriser.shape();
     let writer_result = std::thread::scope(|scope| {
         let times_ref = &times;
         let manifest_ref = &manifest;
-        let writer = scope.spawn(move || write_chunks(rx, outputs, manifest_ref, times_ref));
+        let writer =
+            scope.spawn(move || write_chunks(featurised_rx, outputs, manifest_ref, times_ref));
+        let featurising = scope.spawn(move || -> anyhow::Result<_> {
+            for mut chunk in rx {
+                featurise_chunk(&mut chunk, featuriser.as_mut(), settings, times_ref)?;
+                if featurised_tx.send(chunk).is_err() {
+                    break; // the writer failed; its error is reported below
+                }
+            }
+            Ok(featuriser.device_times())
+        });
 
         let mut seen: HashSet<Hash> = HashSet::new();
         let mut produce = || -> anyhow::Result<()> {
@@ -191,12 +215,12 @@ pub fn rebuild(
                     names,
                     &mut labels,
                     &mut seen,
-                    featuriser.as_mut(),
+                    &shape,
                     &pool,
                     &times,
                 )?;
                 if tx.send(chunk).is_err() {
-                    break; // the writer failed; its error is reported below
+                    break; // a later stage failed; its error is reported below
                 }
                 if let Some(b) = &bar {
                     b.inc(names.len() as u64);
@@ -206,10 +230,12 @@ pub fn rebuild(
         };
         let produced = produce();
         drop(tx);
+        let featurised = featurising.join().expect("featuriser thread panicked");
         let written = writer.join().expect("writer thread panicked");
-        produced.and(written)
+        // The first failure in pipeline order is the cause; later ones are its echoes.
+        produced.and_then(|()| Ok((featurised?, written?)))
     });
-    let (rows, dups, quarantined, per_label) = writer_result?;
+    let (device_times, (rows, dups, quarantined, per_label)) = writer_result?;
     if let Some(b) = bar {
         b.finish_and_clear();
     }
@@ -239,6 +265,15 @@ pub fn rebuild(
     staging::swap_in(settings)?;
     report.elapsed = started.elapsed();
     report.stages = times.seconds();
+    if let Some(d) = device_times {
+        report.stages.extend([
+            ("gpu_start", d.start),
+            ("gpu_staging", d.stage),
+            ("gpu_upload", d.upload),
+            ("gpu_kernels", d.compute),
+            ("gpu_download", d.download),
+        ]);
+    }
     Ok(report)
 }
 
@@ -262,16 +297,15 @@ fn prepare_chunk(
     names: &[String],
     labels: &mut LabelSet,
     seen: &mut HashSet<Hash>,
-    featuriser: &mut dyn Featuriser,
+    shape: &crate::config::FeatureShape,
     pool: &rayon::ThreadPool,
     times: &StageTimes,
 ) -> anyhow::Result<Chunk> {
-    let shape = featuriser.shape();
     let root = &settings.paths.recordings;
     let prepared: Vec<pipeline::Prepared> = pool.install(|| {
         names
             .par_iter()
-            .map(|rel| pipeline::prepare(root, rel, &settings.features, &shape, times))
+            .map(|rel| pipeline::prepare(root, rel, &settings.features, shape, times))
             .collect()
     });
 
@@ -279,11 +313,11 @@ fn prepare_chunk(
         new_rows: Default::default(),
         mel: Default::default(),
         waveform: Default::default(),
+        waves: Default::default(),
         duplicates: Vec::new(),
         quarantined: Vec::new(),
     };
-    let mut waves: [Vec<&crate::decode::Waveform>; 3] = Default::default();
-    for p in &prepared {
+    for p in prepared {
         let Some(hash) = p.hash else {
             if p.vanished {
                 continue; // deleted while we were scanning: nothing to ingest
@@ -305,12 +339,12 @@ fn prepare_chunk(
             reason: None,
             updated_ms: now_ms(),
         };
-        let waveform = match &p.decoded {
+        let waveform = match p.decoded {
             Ok(w) => w,
             Err(reason) => {
                 chunk.quarantined.push((
                     p.rel.clone(),
-                    FileRecord::quarantined(Some(&hash), p.size, p.mtime_ns, reason),
+                    FileRecord::quarantined(Some(&hash), p.size, p.mtime_ns, &reason),
                 ));
                 continue;
             }
@@ -337,20 +371,32 @@ fn prepare_chunk(
             ..base
         };
         chunk.new_rows[placement.split].push((meta, rec));
-        waves[placement.split].push(waveform);
+        chunk.waves[placement.split].push(waveform);
     }
+    Ok(chunk)
+}
 
+/// The featuriser's stage: rows for a chunk's decoded recordings, on its own thread, so that
+/// reading the next chunk and writing the previous one go on meanwhile.
+fn featurise_chunk(
+    chunk: &mut Chunk,
+    featuriser: &mut dyn Featuriser,
+    settings: &Settings,
+    times: &StageTimes,
+) -> anyhow::Result<()> {
     let t = Instant::now();
-    for (split, batch) in waves.iter().enumerate() {
-        if batch.is_empty() {
+    for split in 0..3 {
+        let waves = std::mem::take(&mut chunk.waves[split]);
+        if waves.is_empty() {
             continue;
         }
-        let (mel, waveform) = pipeline::featurise_rows(featuriser, batch, &settings.features)?;
+        let batch: Vec<&crate::decode::Waveform> = waves.iter().collect();
+        let (mel, waveform) = pipeline::featurise_rows(featuriser, &batch, &settings.features)?;
         chunk.mel[split] = mel;
         chunk.waveform[split] = waveform.unwrap_or_default();
     }
     StageTimes::add(&times.featurise, t);
-    Ok(chunk)
+    Ok(())
 }
 
 type WriterOutcome = ([u64; 3], usize, Vec<(String, String)>, HashMap<i16, u64>);
@@ -366,18 +412,12 @@ fn write_chunks(
     let mut quarantined = Vec::new();
     let mut per_label: HashMap<i16, u64> = HashMap::new();
     for chunk in rx {
-        let t = Instant::now();
+        // Row numbers are known before the append (the outputs' length), so the manifest's
+        // records of a chunk are written on a second thread while the outputs take its rows.
         let mut batch = ManifestBatch::default();
         for split in 0..3 {
-            let rows = &chunk.new_rows[split];
-            if rows.is_empty() {
-                continue;
-            }
-            let metas: Vec<RowMeta> = rows.iter().map(|(m, _)| m.clone()).collect();
-            let waveform =
-                (!chunk.waveform[split].is_empty()).then_some(&chunk.waveform[split][..]);
-            let first = outputs.append(split, &chunk.mel[split], waveform, &metas)?;
-            for (i, (meta, rec)) in rows.iter().enumerate() {
+            let first = outputs.len(split);
+            for (i, (meta, rec)) in chunk.new_rows[split].iter().enumerate() {
                 let row = first + i as u64;
                 let content = ContentRecord {
                     split: split as u8,
@@ -398,31 +438,53 @@ fn write_chunks(
                 *per_label.entry(meta.label).or_default() += 1;
             }
         }
-        StageTimes::add(&times.write, t);
-        let t = Instant::now();
-        for (rel, hash, rec) in chunk.duplicates {
+        for (rel, hash, rec) in &chunk.duplicates {
             let c = rows_of
-                .get_mut(&hash)
+                .get_mut(hash)
                 .expect("a duplicate follows its first copy");
             c.refs += 1;
-            batch.put_content(&hash, c);
+            batch.put_content(hash, c);
             dups += 1;
             batch.put_file(
-                &rel,
+                rel,
                 &FileRecord {
                     label: Some(c.label),
                     split: Some(c.split),
                     row: Some(c.row),
-                    ..rec
+                    ..rec.clone()
                 },
             );
         }
-        for (rel, rec) in chunk.quarantined {
+        for (rel, rec) in &chunk.quarantined {
             quarantined.push((rel.clone(), rec.reason.clone().unwrap_or_default()));
-            batch.put_file(&rel, &rec);
+            batch.put_file(rel, rec);
         }
-        manifest.apply(batch)?;
-        StageTimes::add(&times.manifest, t);
+        std::thread::scope(|scope| -> anyhow::Result<()> {
+            let recorded = scope.spawn(|| {
+                let t = Instant::now();
+                let r = manifest.apply(batch);
+                StageTimes::add(&times.manifest, t);
+                r
+            });
+            let t = Instant::now();
+            for (split, (rows, name)) in chunk.new_rows.iter().zip(SPLITS).enumerate() {
+                if rows.is_empty() {
+                    continue;
+                }
+                let metas: Vec<RowMeta> = rows.iter().map(|(m, _)| m.clone()).collect();
+                let waveform =
+                    (!chunk.waveform[split].is_empty()).then_some(&chunk.waveform[split][..]);
+                let expected = outputs.len(split);
+                let first = outputs.append(split, &chunk.mel[split], waveform, &metas)?;
+                ensure!(
+                    first == expected,
+                    "the {name} outputs appended at row {first}, the manifest recorded {expected}"
+                );
+            }
+            StageTimes::add(&times.write, t);
+            recorded.join().expect("manifest writer panicked")?;
+            Ok(())
+        })?;
     }
     let t = Instant::now();
     outputs.commit()?;
