@@ -36,10 +36,7 @@ fn main() {
         11,
     )
     .unwrap();
-    let files = ailhd::rebuild::scan(&dir.path().join("rec"))
-        .unwrap()
-        .0
-        .len();
+    let files = ailhd::source::scan(&dir.path().join("rec")).unwrap().len();
     println!(
         "tree: {files} clips written in {:.1} s",
         t.elapsed().as_secs_f64()

@@ -86,7 +86,12 @@ impl Default for Labels {
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum SplitMode {
+    /// From the content hash.
     Hash,
+    /// From the sensor id in the file name (no sensor in two splits); the content hash when the
+    /// name does not follow the convention.
+    Sensor,
+    /// From the top-level folder (`splits.directories`).
     Directory,
 }
 

@@ -3,25 +3,28 @@
 //! - the event loop (tokio) follows the tree (watch -> settle), signals (SIGTERM drains and
 //!   exits, SIGHUP reloads), timers (safety rescan, systemd watchdog) and tells systemd how it
 //!   is doing (READY, STATUS, STOPPING);
-//! - the ingest worker (a thread owning the [`Ingestor`]: manifest, outputs, warm featuriser)
-//!   takes complete files in micro-batches and commits them.
+//! - the ingest worker (a thread driving the [`Engine`]: manifest, outputs, warm featuriser)
+//!   hands complete files to it in micro-batches; the engine's stages overlap, so the next
+//!   batch loads while the previous one is featurised and committed.
 //!
 //! Shutdown comes in as a future, so tests stop the service the way systemd does.
 
 use crate::config::Settings;
-use crate::ingest::{BatchOutcome, Ingestor, Op, Reconciliation};
+use crate::engine::manifest::now_ms;
+use crate::engine::outcome::{Observation, Reason};
+use crate::engine::{Done, Engine, Input, Reconciliation};
 use crate::lock::WriterLock;
-use crate::manifest::now_ms;
-use crate::settle::{Probe, Settled, Settler};
+use crate::source::settle::{PendingFile, Settled, Settler};
+use crate::source::watch::{WatchEvent, Watcher};
+use crate::source::{self, Found};
 use crate::status::{self, ServiceStatus};
-use crate::watch::{WatchEvent, Watcher};
 use anyhow::Context;
 use sd_notify::NotifyState;
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -45,21 +48,16 @@ pub fn run(settings: Settings, config_path: Option<PathBuf>) -> anyhow::Result<(
 
 /// What the worker is asked to do.
 enum Work {
-    Op(Op),
+    Op(Input),
     /// Compare the whole tree with the manifest (start-up, overflow, periodic).
     Rescan,
-    /// A file that never became complete.
-    Incomplete {
-        rel: String,
-        reason: String,
-    },
     Reload(Box<Settings>),
 }
 
 /// What the worker tells the event loop.
 enum Report {
     Reconciled(Reconciliation),
-    Batch(BatchOutcome),
+    Batch(Done),
 }
 
 /// State shared with the worker for `status` and the watchdog.
@@ -71,6 +69,8 @@ struct Shared {
     queued: AtomicUsize,
     /// Last time the worker was seen making progress or idle (ms since the epoch).
     alive_ms: AtomicI64,
+    /// Files waiting to be complete (the settle stage's list, refreshed now and then).
+    pending: Mutex<Vec<PendingFile>>,
 }
 
 pub async fn serve(
@@ -79,8 +79,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let _lock = WriterLock::acquire(&settings.paths.state, "run")?;
-    let ingestor = Ingestor::open(&settings, settings.ingest.device)?;
-    let device = ingestor.device();
+    let engine = Engine::open_live(&settings, settings.ingest.device)?;
+    let device = engine.device().to_string();
     let root = std::path::absolute(&settings.paths.recordings)?;
 
     // Watch first, then scan: nothing falls between the two.
@@ -96,10 +96,10 @@ pub async fn serve(
         let settings = settings.clone();
         std::thread::Builder::new()
             .name("ailhd-ingest".into())
-            .spawn(move || worker_loop(ingestor, settings, work_rx, report_tx, shared))?
+            .spawn(move || worker_loop(engine, settings, work_rx, report_tx, shared))?
     };
     let send = |w: Work| {
-        if matches!(w, Work::Op(Op::Ingest { .. })) {
+        if matches!(w, Work::Op(Input::Load { .. })) {
             shared.queued.fetch_add(1, Ordering::Relaxed);
         }
         let _ = work_tx.send(w);
@@ -115,6 +115,7 @@ pub async fn serve(
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let watchdog = sd_notify::watchdog_enabled();
     let mut ingested: u64 = 0;
+    let mut pending_listed = Instant::now();
     log::info!(
         "watching {} on {device}; outputs in {}",
         root.display(),
@@ -154,23 +155,26 @@ pub async fn serve(
                 let Some(ev) = ev else { anyhow::bail!("the watcher stopped unexpectedly") };
                 let now = Instant::now();
                 match ev {
-                    WatchEvent::Touched { path, kind } => {
-                        if kind.is_strong() {
-                            strong_at.insert(path.clone(), now);
+                    WatchEvent::Touched { path, kind } => match source::classify_path(&root, &path) {
+                        Some(Found::Recording(_)) => {
+                            if kind.is_strong() {
+                                strong_at.insert(path.clone(), now);
+                            }
+                            settler.note(&path, kind.is_strong(), now);
                         }
-                        settler.note(&path, kind.is_strong(), now);
-                    }
+                        // A link or a non-UTF-8 name: quarantined at once.
+                        Some(Found::Rejected { rel, reason }) => {
+                            send(Work::Op(Input::Observe(Observation::Rejected { rel, reason, size: 0, mtime_ns: 0 })));
+                        }
+                        None => {}
+                    },
                     WatchEvent::Removed(path) => {
                         settler.forget(&path);
                         strong_at.remove(&path);
-                        if let Some(rel) = rel_str(&path) {
-                            send(Work::Op(Op::Remove { rel }));
-                        }
+                        send(Work::Op(Input::Observe(Observation::Gone(lossy(&path)))));
                     }
                     WatchEvent::RemovedDir(path) => {
-                        if let Some(rel) = rel_str(&path) {
-                            send(Work::Op(Op::RemoveDir { rel }));
-                        }
+                        send(Work::Op(Input::Observe(Observation::FolderGone(lossy(&path)))));
                     }
                     WatchEvent::Rescan { reason } => {
                         log::warn!("rescanning the whole tree: {reason}");
@@ -180,19 +184,33 @@ pub async fn serve(
             }
             _ = sleep_until(settle_at) => {
                 let now = Instant::now();
-                for decision in settler.poll(now, |p| probe(&root, p)) {
+                // Probes touch the disk: off the event loop's thread.
+                let probe_root = root.clone();
+                let (back, decisions) = tokio::task::spawn_blocking(move || {
+                    let decisions = settler.poll(now, |p| source::probe(&probe_root, p));
+                    (settler, decisions)
+                })
+                .await?;
+                settler = back;
+                for decision in decisions {
                     match decision {
                         Settled::Ready { path, .. } => {
                             let seen = strong_at.remove(&path).unwrap_or(now);
                             if let Some(rel) = rel_str(&path) {
-                                send(Work::Op(Op::Ingest { rel, seen }));
+                                send(Work::Op(Input::Load { rel, seen: Some(seen) }));
                             }
                         }
-                        Settled::Quarantine { path, reason } => {
+                        Settled::Quarantine { path, after_s, detail } => {
                             strong_at.remove(&path);
-                            if let Some(rel) = rel_str(&path) {
-                                send(Work::Incomplete { rel, reason });
-                            }
+                            let (size, mtime_ns) = std::fs::symlink_metadata(root.join(&path))
+                                .map(|m| (m.len(), crate::engine::stages::mtime_ns(&m)))
+                                .unwrap_or((0, 0));
+                            send(Work::Op(Input::Observe(Observation::Rejected {
+                                rel: lossy(&path),
+                                reason: Reason::StillIncomplete { after_s, detail },
+                                size,
+                                mtime_ns,
+                            })));
                         }
                     }
                 }
@@ -208,11 +226,17 @@ pub async fn serve(
                             settler.note(Path::new(&rel), false, now);
                         }
                         for rel in r.removed {
-                            send(Work::Op(Op::Remove { rel }));
+                            send(Work::Op(Input::Observe(Observation::Gone(rel))));
+                        }
+                        for o in r.rejected {
+                            send(Work::Op(Input::Observe(o)));
                         }
                     }
-                    Some(Report::Batch(outcome)) => {
-                        ingested += (outcome.new_rows + outcome.attached) as u64;
+                    Some(Report::Batch(done)) => {
+                        ingested += (done.counts.new_rows + done.counts.attached) as u64;
+                        for rel in done.reread {
+                            send(Work::Op(Input::Load { rel, seen: None }));
+                        }
                     }
                     None => anyhow::bail!("the ingest worker stopped: see the error above"),
                 }
@@ -232,6 +256,12 @@ pub async fn serve(
             }
         }
         shared.settling.store(settler.len(), Ordering::Relaxed);
+        if pending_listed.elapsed() > Duration::from_millis(500) {
+            let mut list = settler.pending();
+            list.truncate(200);
+            *shared.pending.lock().unwrap_or_else(|e| e.into_inner()) = list;
+            pending_listed = Instant::now();
+        }
         let queue = settler.len() + shared.queued.load(Ordering::Relaxed);
         let _ = sd_notify::notify(&[NotifyState::Status(&format!(
             "queue {queue}, ingested {ingested}, on {device}"
@@ -265,25 +295,9 @@ fn rel_str(path: &Path) -> Option<String> {
     crate::identity::rel_string(path).ok()
 }
 
-/// What the settle stage needs to know about a file now: size, mtime, and whether its header
-/// agrees with its size.
-fn probe(root: &Path, rel: &Path) -> Probe {
-    let path = root.join(rel);
-    let Ok(meta) = std::fs::metadata(&path) else {
-        return Probe::Missing;
-    };
-    let header = match std::fs::read(&path) {
-        Ok(bytes) => crate::decode::parse_header(&bytes)
-            .map(|_| ())
-            .map_err(|e| e.to_string()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Probe::Missing,
-        Err(e) => Err(format!("cannot read: {e}")),
-    };
-    Probe::Present {
-        size: meta.len(),
-        mtime: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
-        header,
-    }
+/// A relative path as the manifest keys it (lossy only for names that are not UTF-8).
+fn lossy(path: &Path) -> String {
+    rel_str(path).unwrap_or_else(|| path.to_string_lossy().to_string())
 }
 
 /// Recent completion-to-commit latencies and errors, for `status`.
@@ -317,7 +331,7 @@ impl Recent {
 }
 
 fn worker_loop(
-    mut ingestor: Ingestor,
+    mut engine: Engine,
     mut settings: Settings,
     rx: crossbeam_channel::Receiver<Work>,
     report: mpsc::UnboundedSender<Report>,
@@ -332,22 +346,57 @@ fn worker_loop(
     let mut snapshot_cost = Duration::ZERO;
     let mut dirty = true;
     let mut deferred: VecDeque<Work> = VecDeque::new();
+    // What the engine reports done: figures for `status`, rereads, the queue depth.
+    let on_done = |done: Done, recent: &mut Recent, ingested: &mut u64| {
+        *ingested += (done.counts.new_rows + done.counts.attached) as u64;
+        for l in &done.latencies {
+            recent.push_latency(l.as_secs_f64() * 1e3);
+        }
+        for (rel, reason) in &done.quarantined {
+            log::warn!(file = rel.as_str(), reason = reason.to_string().as_str(); "quarantined {rel}: {reason}");
+            recent.push_error(format!("{rel}: {reason}"));
+        }
+        log::debug!(
+            "batch: {} new rows, {} attached, {} unchanged, {} removed, {} quarantined",
+            done.counts.new_rows,
+            done.counts.attached,
+            done.counts.unchanged,
+            done.counts.removed,
+            done.counts.quarantined
+        );
+        let _ = report.send(Report::Batch(done));
+    };
     loop {
         shared.alive_ms.store(now_ms(), Ordering::Relaxed);
+        for done in engine.completed()? {
+            on_done(done, &mut recent, &mut ingested);
+            dirty = true;
+        }
         let first = match deferred.pop_front() {
             Some(w) => w,
-            None => match rx.recv_timeout(Duration::from_secs(1)) {
-                Ok(w) => w,
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                    // Idle: a good moment for the status snapshot.
-                    if dirty {
-                        write_snapshot(&ingestor, &settings, &shared, &recent, ingested);
-                        dirty = false;
+            None => {
+                // Batches in flight: wait for them a little, so their figures come in promptly.
+                let wait = if engine.in_flight() > 0 { 5 } else { 1000 };
+                match rx.recv_timeout(Duration::from_millis(wait)) {
+                    Ok(w) => w,
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                        if engine.in_flight() > 0 {
+                            if let Some(done) = engine.wait_one(Duration::from_millis(50))? {
+                                on_done(done, &mut recent, &mut ingested);
+                                dirty = true;
+                            }
+                            continue;
+                        }
+                        // Idle: a good moment for the status snapshot.
+                        if dirty {
+                            write_snapshot(&engine, &settings, &shared, &recent, ingested);
+                            dirty = false;
+                        }
+                        continue;
                     }
-                    continue;
+                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
                 }
-                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
-            },
+            }
         };
         match first {
             Work::Op(op) => {
@@ -378,76 +427,58 @@ fn worker_loop(
                         None => break,
                     }
                 }
-                let n_ingest = ops
+                let n_loads = ops
                     .iter()
-                    .filter(|o| matches!(o, Op::Ingest { .. }))
+                    .filter(|o| matches!(o, Input::Load { .. }))
                     .count();
-                match ingestor.apply(ops) {
-                    Ok(outcome) => {
-                        ingested += (outcome.new_rows + outcome.attached) as u64;
-                        for l in &outcome.latencies {
-                            recent.push_latency(l.as_secs_f64() * 1e3);
-                        }
-                        for (rel, reason) in &outcome.quarantined {
-                            recent.push_error(format!("{rel}: {reason}"));
-                        }
-                        log::debug!(
-                            "batch: {} new rows, {} attached, {} unchanged, {} removed, {} quarantined",
-                            outcome.new_rows,
-                            outcome.attached,
-                            outcome.unchanged,
-                            outcome.removed,
-                            outcome.quarantined.len()
-                        );
-                        let _ = report.send(Report::Batch(outcome));
-                    }
-                    Err(e) => {
-                        // Outputs or manifest failed (disk full, I/O error): nothing of the
-                        // batch was recorded, so a restart ingests it again. Stop here.
-                        log::error!("ingest failed, stopping: {e:#}");
-                        let _ = ingestor.close();
-                        return Err(e);
-                    }
+                if let Err(e) = engine.submit(ops) {
+                    // Outputs or manifest failed (disk full, I/O error): nothing of the batch
+                    // was recorded, so a restart ingests it again. Stop here.
+                    log::error!("ingest failed, stopping: {e:#}");
+                    return Err(e);
                 }
                 shared.queued.fetch_sub(
-                    n_ingest.min(shared.queued.load(Ordering::Relaxed)),
+                    n_loads.min(shared.queued.load(Ordering::Relaxed)),
                     Ordering::Relaxed,
                 );
                 dirty = true;
             }
-            Work::Rescan => match ingestor.reconcile() {
-                Ok(r) => {
-                    let _ = report.send(Report::Reconciled(r));
+            Work::Rescan => {
+                // The comparison reads the manifest: let what is in flight land first.
+                for done in engine.wait()? {
+                    on_done(done, &mut recent, &mut ingested);
                 }
-                Err(e) => {
-                    log::error!("rescan failed: {e:#}");
-                    recent.push_error(format!("rescan: {e:#}"));
+                match engine.reconcile() {
+                    Ok(r) => {
+                        let _ = report.send(Report::Reconciled(r));
+                    }
+                    Err(e) => {
+                        log::error!("rescan failed: {e:#}");
+                        recent.push_error(format!("rescan: {e:#}"));
+                    }
                 }
-            },
-            Work::Incomplete { rel, reason } => {
-                if let Err(e) = ingestor.quarantine_incomplete(&rel, &reason) {
-                    log::error!("cannot record {rel} as quarantined: {e:#}");
-                }
-                recent.push_error(format!("{rel}: {reason}"));
-                dirty = true;
             }
             Work::Reload(new) => {
-                ingestor.update_live_settings(&new);
+                engine.update_live_settings(&new);
                 settings.ingest = new.ingest.clone();
             }
         }
         // Snapshot at most every 2 s, and never more than ~10% of the time.
         if dirty && last_snapshot.elapsed() > (snapshot_cost * 10).max(Duration::from_secs(2)) {
             let t = Instant::now();
-            write_snapshot(&ingestor, &settings, &shared, &recent, ingested);
+            write_snapshot(&engine, &settings, &shared, &recent, ingested);
             snapshot_cost = t.elapsed();
             last_snapshot = Instant::now();
             dirty = false;
         }
     }
-    write_snapshot(&ingestor, &settings, &shared, &recent, ingested);
-    let stages: Vec<String> = ingestor
-        .stage_seconds()
+    for done in engine.wait()? {
+        on_done(done, &mut recent, &mut ingested);
+    }
+    write_snapshot(&engine, &settings, &shared, &recent, ingested);
+    let stages: Vec<String> = engine
+        .times()
+        .seconds()
         .iter()
         .map(|(k, v)| format!("{k} {v:.3}s"))
         .collect();
@@ -455,21 +486,21 @@ fn worker_loop(
         "stopping: {ingested} files ingested this run; time per stage: {}",
         stages.join(", ")
     );
-    ingestor.close()
+    engine.finish().map(drop)
 }
 
 fn write_snapshot(
-    ingestor: &Ingestor,
+    engine: &Engine,
     settings: &Settings,
     shared: &Shared,
     recent: &Recent,
     ingested: u64,
 ) {
     let result = (|| -> anyhow::Result<()> {
-        let mut r = status::collect(ingestor.manifest(), ingestor.labels())?;
+        let mut r = status::collect(engine.manifest(), engine.labels(), settings)?;
         r.service = Some(ServiceStatus {
             pid: std::process::id(),
-            device: ingestor.device(),
+            device: engine.device().to_string(),
             queue_depth: shared.settling.load(Ordering::Relaxed)
                 + shared.queued.load(Ordering::Relaxed),
             ingested,
@@ -477,6 +508,11 @@ fn write_snapshot(
             latency_ms_p90: recent.percentile(0.9),
             latency_ms_p99: recent.percentile(0.99),
             last_errors: recent.errors.iter().cloned().collect(),
+            pending: shared
+                .pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
             updated_ms: now_ms(),
         });
         let path = status::snapshot_path(settings);

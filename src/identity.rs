@@ -159,6 +159,17 @@ pub fn rel_string(rel: &Path) -> Result<String, PlacementError> {
     Ok(out)
 }
 
+/// The label folder of a relative path, if it has one.
+pub fn label_folder<'a>(settings: &Settings, rel: &'a str) -> Option<&'a str> {
+    let mut parts = rel.split('/');
+    let n = rel.split('/').count();
+    match settings.splits.mode {
+        SplitMode::Hash | SplitMode::Sensor if n >= 2 => parts.next(),
+        SplitMode::Directory if n >= 3 => parts.nth(1),
+        _ => None,
+    }
+}
+
 /// The folder that names the label, and the folder that names the split in directory mode.
 /// Hash mode: `LABEL/.../file.wav`. Directory mode: `SPLITDIR/LABEL/.../file.wav`.
 pub fn place(
@@ -174,15 +185,25 @@ pub fn place(
         });
     }
     let parts: Vec<&str> = rel.split('/').collect();
+    let ratios = settings.splits.ratios.as_array();
     let (split, label_folder) = match settings.splits.mode {
         SplitMode::Hash => {
             if parts.len() < 2 {
                 return Err(PlacementError::NoLabelFolder);
             }
-            (
-                hash_split(hash, &settings.splits.ratios.as_array()),
-                parts[0],
-            )
+            (hash_split(hash, &ratios), parts[0])
+        }
+        SplitMode::Sensor => {
+            if parts.len() < 2 {
+                return Err(PlacementError::NoLabelFolder);
+            }
+            let sensor = parse_name(parts[parts.len() - 1]).sensor_id;
+            let split = if sensor.is_empty() {
+                hash_split(hash, &ratios)
+            } else {
+                hash_split(&content_hash(sensor.as_bytes()), &ratios)
+            };
+            (split, parts[0])
         }
         SplitMode::Directory => {
             if parts.len() < 3 {
@@ -198,7 +219,7 @@ pub fn place(
     Ok(Placement { label, split })
 }
 
-/// Split from the content hash: the first 8 bytes as an integer, mod 100, against the
+/// Split from a hash (of the content, or of the sensor id in sensor mode): the first 8 bytes as an integer, mod 100, against the
 /// cumulative ratios. The same bytes always land in the same split, on any host.
 pub fn hash_split(hash: &Hash, ratios: &[u32; 3]) -> usize {
     let bucket = (u64::from_le_bytes(hash[..8].try_into().unwrap()) % 100) as u32;
@@ -290,6 +311,30 @@ mod tests {
             place(&s, &mut labels, "LEAK/aaaaaaaaaaaaaaaaaaaaa.wav", &h),
             Err(PlacementError::PathTooLong { .. })
         ));
+    }
+
+    #[test]
+    fn sensor_mode_keeps_each_sensor_in_one_split() {
+        let mut s = Settings::default();
+        s.splits.mode = SplitMode::Sensor;
+        let mut labels = LabelSet::new(&s.labels.names, &[], s.labels.unknown);
+        let mut per_sensor: std::collections::HashMap<String, std::collections::HashSet<usize>> =
+            Default::default();
+        let mut splits_seen = std::collections::HashSet::new();
+        for i in 0..600u32 {
+            let sensor = format!("S{:03}", i % 40);
+            let rel = format!("LEAK/{sensor}~R{i}~20250118120530~100.wav");
+            let h = content_hash(&i.to_le_bytes());
+            let p = place(&s, &mut labels, &rel, &h).unwrap();
+            per_sensor.entry(sensor).or_default().insert(p.split);
+            splits_seen.insert(p.split);
+        }
+        assert!(per_sensor.values().all(|s| s.len() == 1), "{per_sensor:?}");
+        assert_eq!(splits_seen.len(), 3, "40 sensors spread over all splits");
+        // Off the convention: the content hash decides, as in hash mode.
+        let h = content_hash(b"x");
+        let p = place(&s, &mut labels, "LEAK/clip.wav", &h).unwrap();
+        assert_eq!(p.split, hash_split(&h, &s.splits.ratios.as_array()));
     }
 
     #[test]

@@ -4,8 +4,9 @@
 //! service keeps in `<state>/status.json`.
 
 use crate::config::{Settings, SPLITS};
+use crate::engine::manifest::Manifest;
 use crate::lock::WriterLock;
-use crate::manifest::{FileState, Manifest};
+use crate::source::settle::PendingFile;
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -37,7 +38,18 @@ pub struct ServiceStatus {
     pub latency_ms_p90: Option<f64>,
     pub latency_ms_p99: Option<f64>,
     pub last_errors: Vec<String>,
+    /// Files waiting to be complete (at most 200, oldest first).
+    #[serde(default)]
+    pub pending: Vec<PendingFile>,
     pub updated_ms: i64,
+}
+
+/// The same bytes under paths with different labels: one row, labelled by the smallest path.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct LabelConflict {
+    pub blake3: String,
+    /// (path, label folder) of every path holding the bytes; the first owns the row.
+    pub paths: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -46,6 +58,8 @@ pub struct StatusReport {
     pub files: BTreeMap<String, u64>,
     pub splits: BTreeMap<String, SplitRows>,
     pub quarantined: Vec<Quarantined>,
+    #[serde(default)]
+    pub label_conflicts: Vec<LabelConflict>,
     pub service: Option<ServiceStatus>,
     pub feature_fingerprint: Option<String>,
 }
@@ -55,29 +69,48 @@ pub fn snapshot_path(settings: &Settings) -> PathBuf {
 }
 
 /// Count everything in the manifest.
-pub fn collect(manifest: &Manifest, labels: &[String]) -> anyhow::Result<StatusReport> {
+pub fn collect(
+    manifest: &Manifest,
+    labels: &[String],
+    settings: &Settings,
+) -> anyhow::Result<StatusReport> {
     let mut r = StatusReport::default();
     for name in SPLITS {
         r.splits.insert(name.to_string(), SplitRows::default());
     }
     for item in manifest.files() {
         let (path, rec) = item?;
-        let state = match rec.state {
-            FileState::Committed => "committed",
-            FileState::Quarantined => "quarantined",
+        let state = if rec.quarantine.is_some() {
+            "quarantined"
+        } else {
+            "committed"
         };
         *r.files.entry(state.to_string()).or_default() += 1;
-        if rec.state == FileState::Quarantined {
+        if let Some(q) = rec.quarantine {
             r.quarantined.push(Quarantined {
                 path,
-                reason: rec.reason.unwrap_or_default(),
+                reason: q.text,
             });
         }
     }
     for item in manifest.contents() {
-        let (_, c) = item?;
-        let split = r.splits.get_mut(SPLITS[c.split as usize % 3]).unwrap();
-        split.rows += 1;
+        let (hash, c) = item?;
+        let folders: Vec<(String, String)> = c
+            .paths
+            .iter()
+            .map(|p| {
+                let f = crate::identity::label_folder(settings, p).unwrap_or("");
+                (p.clone(), f.to_string())
+            })
+            .collect();
+        if folders.iter().any(|(_, f)| *f != folders[0].1) {
+            r.label_conflicts.push(LabelConflict {
+                blake3: crate::identity::hex(&hash),
+                paths: folders,
+            });
+        }
+        let Some(at) = c.row else { continue };
+        let split = r.splits.get_mut(SPLITS[at.split as usize % 3]).unwrap();
         if c.valid {
             split.valid += 1;
             let name = labels
@@ -86,6 +119,9 @@ pub fn collect(manifest: &Manifest, labels: &[String]) -> anyhow::Result<StatusR
                 .unwrap_or_else(|| format!("#{}", c.label));
             *split.per_label.entry(name).or_default() += 1;
         }
+    }
+    for (name, rows) in SPLITS.iter().zip(manifest.rows()?) {
+        r.splits.get_mut(*name).unwrap().rows = rows;
     }
     r.feature_fingerprint = manifest.get_meta("feature_fingerprint")?;
     Ok(r)
@@ -119,7 +155,7 @@ pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
     let labels =
         crate::identity::LabelSet::new(&settings.labels.names, &appended, settings.labels.unknown)
             .names;
-    collect(&manifest, &labels)
+    collect(&manifest, &labels, settings)
 }
 
 pub fn render(r: &StatusReport) -> String {
@@ -152,6 +188,17 @@ pub fn render(r: &StatusReport) -> String {
         for e in &svc.last_errors {
             let _ = writeln!(s, "  recent error: {e}");
         }
+        let _ = writeln!(s, "pending: {}", svc.pending.len());
+        let now = crate::engine::manifest::now_ms();
+        for p in &svc.pending {
+            let _ = writeln!(
+                s,
+                "  {}: {} (for {:.1} s)",
+                p.path,
+                p.why,
+                (now - p.since_ms) as f64 / 1e3
+            );
+        }
     }
     let files: Vec<String> = r.files.iter().map(|(k, v)| format!("{k} {v}")).collect();
     let _ = writeln!(
@@ -182,6 +229,15 @@ pub fn render(r: &StatusReport) -> String {
     let _ = writeln!(s, "quarantined: {}", r.quarantined.len());
     for q in &r.quarantined {
         let _ = writeln!(s, "  {}: {}", q.path, q.reason);
+    }
+    let _ = writeln!(s, "label conflicts: {}", r.label_conflicts.len());
+    for c in &r.label_conflicts {
+        let paths: Vec<String> = c.paths.iter().map(|(p, l)| format!("{p} ({l})")).collect();
+        let _ = writeln!(
+            s,
+            "  same bytes under {} (the first owns the row)",
+            paths.join(", ")
+        );
     }
     s
 }

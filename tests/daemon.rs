@@ -110,8 +110,11 @@ fn write_via_rename(rec: &Path, rel: &str, bytes: &[u8]) {
 fn expected(world: &World) -> serde_json::Value {
     let names = ailhd::config::Settings::default().labels.names;
     let mut map: BTreeMap<String, Vec<i16>> = BTreeMap::new();
-    let (files, _) = ailhd::rebuild::scan(&world.rec()).unwrap();
-    for rel in files {
+    let files = ailhd::source::scan(&world.rec()).unwrap();
+    for found in files {
+        let ailhd::source::Found::Recording(rel) = found else {
+            continue;
+        };
         let bytes = std::fs::read(world.rec().join(&rel)).unwrap();
         if ailhd::decode::decode(&bytes, 4096, 40960).is_err() {
             continue;

@@ -36,7 +36,7 @@ fn written_rows_read_back_with_h5py() {
     sink.commit().unwrap();
     assert_eq!(append(&mut sink, &h, 149), 101);
     sink.set_valid(3, false).unwrap();
-    sink.set_label(4, 2).unwrap();
+    sink.write_cell("labels", 4, &2i16.to_le_bytes()).unwrap();
     sink.set_valid(200, false).unwrap(); // an appended, not yet committed row
     sink.commit().unwrap();
     assert_eq!((sink.len(), sink.committed_rows()), (250, 250));
@@ -267,7 +267,8 @@ fn swmr_reader_follows_the_writer() {
             sink.set_valid(row, false).unwrap();
             valid_zero.push(row);
             let label = (step % 5) as i16;
-            sink.set_label(row, label).unwrap();
+            sink.write_cell("labels", row, &label.to_le_bytes())
+                .unwrap();
             relabel.insert(row.to_string(), label.into());
         }
         if step == 40 {

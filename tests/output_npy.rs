@@ -37,9 +37,9 @@ fn written_rows_load_with_numpy() {
     sink.commit().unwrap();
     assert_eq!(append(&mut sink, &h, 150), 100);
     sink.set_valid(3, false).unwrap();
-    sink.set_label(4, 2).unwrap();
+    sink.write_cell("labels", 4, &2i16.to_le_bytes()).unwrap();
     sink.set_valid(200, false).unwrap(); // appended after the edit map was made
-    sink.set_label(249, 1).unwrap();
+    sink.write_cell("labels", 249, &1i16.to_le_bytes()).unwrap();
     sink.commit().unwrap();
     let mut labels = h.labels.clone();
     labels.push("DRIP".into());
@@ -183,7 +183,8 @@ fn numpy_reader_follows_the_writer() {
         if step % 7 == 0 {
             let row = (step * 31) % sink.committed_rows().max(1);
             sink.set_valid(row, false).unwrap();
-            sink.set_label(row, (step % 5) as i16).unwrap();
+            sink.write_cell("labels", row, &((step % 5) as i16).to_le_bytes())
+                .unwrap();
         }
         sink.commit().unwrap();
         std::thread::sleep(Duration::from_millis(1));

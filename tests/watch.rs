@@ -7,7 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ailhd::watch::{errno_advice, explain, TouchKind, WatchError, WatchEvent, Watcher};
+use ailhd::source::watch::{errno_advice, explain, TouchKind, WatchError, WatchEvent, Watcher};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 /// Long enough for inotify on a loaded CI box; a passing test never waits this long.

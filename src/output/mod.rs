@@ -88,8 +88,16 @@ pub trait SplitSink: Send {
     ) -> anyhow::Result<u64>;
     /// Mark a row current (1) or superseded/deleted (0).
     fn set_valid(&mut self, row: u64, valid: bool) -> anyhow::Result<()>;
-    /// Relabel a row in place (a file moved between label folders).
-    fn set_label(&mut self, row: u64, label: i16) -> anyhow::Result<()>;
+    /// Overwrite one row's bytes of column `name` in place.
+    fn write_cell(&mut self, name: &str, row: u64, bytes: &[u8]) -> anyhow::Result<()>;
+    /// The row has a new owner (README, "Identity, labels, splits"): rewrite its label and
+    /// path columns in place; features and hash stay.
+    fn set_owner(&mut self, row: u64, meta: &RowMeta, path_bytes: usize) -> anyhow::Result<()> {
+        for (name, bytes) in owner_cells(meta, path_bytes)? {
+            self.write_cell(name, row, &bytes)?;
+        }
+        Ok(())
+    }
     /// Replace the label list attributes; `labels` extends the current list (ids never change).
     fn set_labels(&mut self, labels: &[String]) -> anyhow::Result<()>;
     /// Make every appended row durable and visible: flush data, then `committed_rows`.
@@ -151,6 +159,29 @@ impl RowMeta {
         }
         Ok(())
     }
+}
+
+/// The bytes of the columns an owner decides, for one row (same packing as [`pack_rows`]).
+pub fn owner_cells(
+    meta: &RowMeta,
+    path_bytes: usize,
+) -> anyhow::Result<Vec<(&'static str, Vec<u8>)>> {
+    if let Err(why) = meta.check_fits(path_bytes) {
+        anyhow::bail!("row for {:?} does not fit: {why}", meta.source_path);
+    }
+    let fixed = |width: usize, s: &str| {
+        let mut out = vec![0u8; width];
+        out[..s.len()].copy_from_slice(s.as_bytes());
+        out
+    };
+    Ok(vec![
+        ("labels", meta.label.to_le_bytes().to_vec()),
+        ("source_path", fixed(path_bytes, &meta.source_path)),
+        ("sensor_id", fixed(ID_BYTES, &meta.sensor_id)),
+        ("recording_id", fixed(ID_BYTES, &meta.recording_id)),
+        ("recorded_at", meta.recorded_at.to_le_bytes().to_vec()),
+        ("gain_db", meta.gain_db.to_le_bytes().to_vec()),
+    ])
 }
 
 /// Element type of one output column, as both writers store it.

@@ -355,8 +355,8 @@ impl SplitSink for NpySink {
         self.write_cell("valid", row, &[valid as u8])
     }
 
-    fn set_label(&mut self, row: u64, label: i16) -> Result<()> {
-        self.write_cell("labels", row, &label.to_le_bytes())
+    fn write_cell(&mut self, name: &str, row: u64, bytes: &[u8]) -> Result<()> {
+        Self::write_cell(self, name, row, bytes)
     }
 
     fn set_labels(&mut self, labels: &[String]) -> Result<()> {

@@ -133,10 +133,16 @@ impl OutputSet {
             .try_for_each(|s| s.set_valid(row, valid))
     }
 
-    pub fn set_label(&mut self, split: usize, row: u64, label: i16) -> anyhow::Result<()> {
+    pub fn set_owner(
+        &mut self,
+        split: usize,
+        row: u64,
+        meta: &RowMeta,
+        path_bytes: usize,
+    ) -> anyhow::Result<()> {
         self.splits[split]
             .iter_mut()
-            .try_for_each(|s| s.set_label(row, label))
+            .try_for_each(|s| s.set_owner(row, meta, path_bytes))
     }
 
     /// Make every appended row of every split durable and visible.

@@ -1,12 +1,12 @@
-//! The stages between a recording's path and its row, shared by `rebuild` and `run`:
-//! load (read + hash) -> decode -> place -> featurise. Each file's failure becomes a
-//! quarantine reason; nothing here stops a batch because one file is bad.
+//! The work of the stages around the ledger: load (read, hash, decode a complete file) and
+//! featurise (waveforms to rows), with the time each takes. Each file's failure becomes an
+//! outcome of that file; nothing here stops a batch because one file is bad.
 
 use crate::config::{FeatureSettings, FeatureShape};
 use crate::decode::{self, Waveform};
+use crate::engine::outcome::{Load, Loaded, Observation, Reason};
 use crate::features::Featuriser;
-use crate::identity::{self, Hash};
-use crate::output::RowMeta;
+use crate::identity;
 use anyhow::Context;
 use half::f16;
 use std::path::Path;
@@ -19,6 +19,7 @@ pub struct StageTimes {
     pub read: AtomicU64,
     pub hash: AtomicU64,
     pub decode: AtomicU64,
+    pub decide: AtomicU64,
     pub featurise: AtomicU64,
     pub write: AtomicU64,
     pub manifest: AtomicU64,
@@ -35,6 +36,7 @@ impl StageTimes {
             ("read", s(&self.read)),
             ("hash", s(&self.hash)),
             ("decode", s(&self.decode)),
+            ("decide", s(&self.decide)),
             ("featurise", s(&self.featurise)),
             ("write", s(&self.write)),
             ("manifest", s(&self.manifest)),
@@ -42,88 +44,75 @@ impl StageTimes {
     }
 }
 
-/// A recording read, hashed and decoded (or the reason it cannot be).
-pub struct Prepared {
-    pub rel: String,
-    pub size: u64,
-    pub mtime_ns: i64,
-    /// None when the file could not be read.
-    pub hash: Option<Hash>,
-    /// The file was gone when we came to read it (a removal is on its way): not an error.
-    pub vanished: bool,
-    pub decoded: Result<Waveform, String>,
-}
-
 pub fn mtime_ns(meta: &std::fs::Metadata) -> i64 {
     use std::os::unix::fs::MetadataExt;
     meta.mtime() * 1_000_000_000 + meta.mtime_nsec()
 }
 
-/// Read, hash and decode one file. Size and mtime are taken from the open file, so they
-/// describe the bytes that were hashed.
-pub fn prepare(
+thread_local! {
+    /// Each loader thread reads into the same buffer file after file (no fresh pages per file).
+    static READ_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The load stage for one complete file: read, hash, decode. Size and mtime are taken from the
+/// open file, so they describe the bytes that were hashed. Never fails: every problem is an
+/// outcome of this file.
+pub fn load(
+    root: &Path,
+    rel: &str,
+    seen: Option<Instant>,
+    features: &FeatureSettings,
+    shape: &FeatureShape,
+    times: &StageTimes,
+) -> Observation {
+    let load =
+        READ_BUF.with_borrow_mut(|bytes| load_into(root, rel, features, shape, times, bytes));
+    Observation::Loaded(Loaded {
+        rel: rel.to_string(),
+        seen,
+        load,
+    })
+}
+
+fn load_into(
     root: &Path,
     rel: &str,
     features: &FeatureSettings,
     shape: &FeatureShape,
     times: &StageTimes,
-) -> Prepared {
+    bytes: &mut Vec<u8>,
+) -> Load {
     let t = Instant::now();
     let read = (|| {
         use std::io::Read;
         let mut f = std::fs::File::open(root.join(rel))?;
         let meta = f.metadata()?;
+        bytes.clear();
         // Bounded by the size the file had when opened (+1 to notice growth), not by a header.
-        let mut bytes = Vec::with_capacity(meta.len() as usize + 1);
-        (&mut f).take(meta.len() + 1).read_to_end(&mut bytes)?;
-        Ok::<_, std::io::Error>((bytes, meta))
+        (&mut f).take(meta.len() + 1).read_to_end(bytes)?;
+        Ok::<_, std::io::Error>(meta)
     })();
     StageTimes::add(&times.read, t);
-    let (bytes, meta) = match read {
-        Ok(x) => x,
-        Err(e) => {
-            return Prepared {
-                rel: rel.to_string(),
-                size: 0,
-                mtime_ns: 0,
-                hash: None,
-                vanished: e.kind() == std::io::ErrorKind::NotFound,
-                decoded: Err(format!("cannot read: {e}")),
-            }
-        }
+    let meta = match read {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Load::Vanished,
+        Err(e) => return Load::Unreadable(e.to_string()),
     };
     let t = Instant::now();
-    let hash = identity::content_hash(&bytes);
+    let hash = identity::content_hash(bytes);
     StageTimes::add(&times.hash, t);
     let t = Instant::now();
     let decoded = if bytes.len() as u64 != meta.len() {
-        Err("file changed while being read (still being written?)".to_string())
+        Err(Reason::ChangedWhileRead)
     } else {
-        decode::decode(&bytes, features.sample_rate, shape.num_samples).map_err(|e| e.to_string())
+        decode::decode(bytes, features.sample_rate, shape.num_samples).map_err(Reason::Decode)
     };
     StageTimes::add(&times.decode, t);
-    Prepared {
-        rel: rel.to_string(),
+    Load::Read {
         size: bytes.len() as u64,
         mtime_ns: mtime_ns(&meta),
-        hash: Some(hash),
-        vanished: false,
+        hash,
         decoded,
-    }
-}
-
-/// Metadata columns of a row.
-pub fn row_meta(rel: &str, hash: &Hash, label: i16) -> RowMeta {
-    let file_name = rel.rsplit('/').next().unwrap_or(rel);
-    let name = identity::parse_name(file_name);
-    RowMeta {
-        label,
-        blake3: *hash,
-        source_path: rel.to_string(),
-        sensor_id: name.sensor_id,
-        recording_id: name.recording_id,
-        recorded_at: name.recorded_at,
-        gain_db: name.gain_db,
     }
 }
 

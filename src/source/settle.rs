@@ -16,12 +16,17 @@
 //!   A writer that closes, reopens and appends raises new events, so the file is touched again,
 //!   settles again and its new bytes supersede the first ingestion (CONTRACT.md, "Identity"); it
 //!   is never ingested with an inconsistent header.
-//! - a header that is not consistent (recording in progress, truncated) keeps the file waiting,
+//! - a header that is malformed (not a WAV, an unsupported encoding, an empty file) cannot be
+//!   fixed by waiting: such a file goes like a consistent one, and the engine quarantines it
+//!   with the decoder's reason, at once for a closed file.
+//! - a header that says "still being written" (placeholder sizes, truncated) keeps the file
+//!   waiting and listed as pending,
 //!   re-probed with a backoff; if it stays so for `quarantine_after` since its last change (a
 //!   touch, or a probe that saw a new size or mtime), the file is quarantined with the header's
 //!   reason.
 //! - a file that has disappeared is dropped silently: its removal is the watcher's news.
 
+use crate::decode::DecodeError;
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
@@ -36,22 +41,22 @@ const MIN_RECHECK: Duration = Duration::from_millis(1);
 
 /// What the filesystem says about a file now. Built by the caller (stat + header check with the
 /// decoder), so this module does not depend on how headers are parsed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Probe {
     /// The path no longer exists (deleted or moved away).
     Missing,
     Present {
         size: u64,
         mtime: SystemTime,
-        /// `Ok` when the header is consistent with `size`; otherwise why not (the decoder's
-        /// message, e.g. "recording in progress" or "truncated"), used as the quarantine reason.
-        header: Result<(), String>,
+        /// `Ok` when the header is consistent with `size`; otherwise the decoder's verdict
+        /// ([`DecodeError::is_incomplete`] tells waiting from hopeless).
+        header: Result<(), DecodeError>,
     },
 }
 
 /// A decision about one file, returned by [`Settler::poll`]. Either way the file is no longer
 /// pending; a later [`Settler::note`] starts over.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Settled {
     /// Complete: ingest it. `size` and `mtime` are what the deciding probe saw, so the ingester can
     /// notice that the file changed again before it read it.
@@ -60,8 +65,13 @@ pub enum Settled {
         size: u64,
         mtime: SystemTime,
     },
-    /// Still incomplete `quarantine_after` after its last change.
-    Quarantine { path: PathBuf, reason: String },
+    /// Still incomplete `quarantine_after` after its last change; `detail` is the header's
+    /// verdict.
+    Quarantine {
+        path: PathBuf,
+        after_s: u64,
+        detail: DecodeError,
+    },
 }
 
 /// Tracks files that were touched and are not yet complete. Paths are opaque keys: whatever the
@@ -91,6 +101,19 @@ struct Pending {
     due: Instant,
     /// Pause before the next probe while the header is inconsistent; doubles up to MAX_RECHECK.
     recheck: Duration,
+    /// When this file was first touched since it was last decided (for `status`).
+    since: SystemTime,
+    /// What the latest probe's header said, when it says "still being written".
+    waiting_for: Option<DecodeError>,
+}
+
+/// A file waiting to be complete, as `status` lists it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PendingFile {
+    pub path: String,
+    /// Unix milliseconds of the first touch.
+    pub since_ms: i64,
+    pub why: String,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -127,6 +150,8 @@ impl Settler {
                 baseline: None,
                 due,
                 recheck: first_recheck,
+                since: SystemTime::now(),
+                waiting_for: None,
             });
         entry.strong = strong;
         entry.last_change = now;
@@ -178,6 +203,8 @@ impl Settler {
                     b
                 }
             };
+            // A malformed header will not get better by waiting: the file goes as it is.
+            let header = header.or_else(|e| if e.is_incomplete() { Err(e) } else { Ok(()) });
             let next = match header {
                 Ok(()) if entry.strong || now.duration_since(baseline.at) >= self.settle => {
                     self.pending.remove(&path);
@@ -186,17 +213,18 @@ impl Settler {
                 }
                 // Consistent but not yet seen stable for the whole window.
                 Ok(()) => (baseline.at + self.settle).max(now + MIN_RECHECK),
-                Err(reason) => {
+                Err(detail) => {
                     let deadline = entry.last_change + self.quarantine_after;
                     if now >= deadline {
                         self.pending.remove(&path);
-                        let reason = format!(
-                            "still incomplete {} s after its last change: {reason}",
-                            self.quarantine_after.as_secs()
-                        );
-                        decided.push(Settled::Quarantine { path, reason });
+                        decided.push(Settled::Quarantine {
+                            path,
+                            after_s: self.quarantine_after.as_secs(),
+                            detail,
+                        });
                         continue;
                     }
+                    entry.waiting_for = Some(detail);
                     let next = (now + entry.recheck).min(deadline);
                     entry.recheck = (entry.recheck * 2).min(MAX_RECHECK.max(self.settle));
                     next
@@ -220,6 +248,32 @@ impl Settler {
         if let Some(entry) = self.pending.remove(path) {
             self.schedule.remove(&(entry.due, path.to_path_buf()));
         }
+    }
+
+    /// Files touched and not yet decided, with why they wait, oldest first.
+    pub fn pending(&self) -> Vec<PendingFile> {
+        let mut out: Vec<PendingFile> = self
+            .pending
+            .iter()
+            .map(|(path, p)| PendingFile {
+                path: path.to_string_lossy().to_string(),
+                since_ms: p
+                    .since
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as i64)
+                    .unwrap_or(0),
+                why: match (&p.waiting_for, p.strong) {
+                    (Some(e), _) => format!("header says still being written: {e}"),
+                    (None, true) => "closed; checking the header".into(),
+                    (None, false) => format!(
+                        "written recently; waiting for it to close or stay unchanged for {} ms",
+                        self.settle.as_millis()
+                    ),
+                },
+            })
+            .collect();
+        out.sort_by_key(|p| p.since_ms);
+        out
     }
 
     /// Files touched and not yet decided.
@@ -263,13 +317,13 @@ mod tests {
         fn new() -> FakeFs {
             FakeFs(RefCell::new(HashMap::new()))
         }
-        fn set(&self, path: &str, size: u64, mtime_s: u64, header: Result<(), &str>) {
+        fn set(&self, path: &str, size: u64, mtime_s: u64, header: Result<(), DecodeError>) {
             self.0.borrow_mut().insert(
                 PathBuf::from(path),
                 Probe::Present {
                     size,
                     mtime: SystemTime::UNIX_EPOCH + Duration::from_secs(mtime_s),
-                    header: header.map_err(str::to_string),
+                    header,
                 },
             );
         }
@@ -347,7 +401,7 @@ mod tests {
         let fs = FakeFs::new();
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
-        fs.set("a.wav", 44, 1, Err("recording in progress"));
+        fs.set("a.wav", 44, 1, Err(DecodeError::PlaceholderSizes));
         s.note(Path::new("a.wav"), true, t0);
         assert!(s.poll(t0, fs.probe()).is_empty());
         // The writer fixes the header without an event we saw; size changes too.
@@ -358,6 +412,36 @@ mod tests {
         assert!(s.poll(due, fs.probe()).is_empty());
         let out = s.poll(due + SETTLE, fs.probe());
         assert_eq!(ready_paths(&out), [Path::new("a.wav")]);
+    }
+
+    #[test]
+    fn a_closed_file_with_a_hopeless_header_goes_at_once_and_waiting_ones_are_listed() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("text.wav", 12, 1, Err(DecodeError::NotWav));
+        fs.set(
+            "alaw.wav",
+            80,
+            1,
+            Err(DecodeError::UnsupportedEncoding { tag: 6, bits: 8 }),
+        );
+        fs.set("growing.wav", 44, 1, Err(DecodeError::PlaceholderSizes));
+        for p in ["text.wav", "alaw.wav", "growing.wav"] {
+            s.note(Path::new(p), true, t0);
+        }
+        let decided = s.poll(t0, fs.probe());
+        let mut out = ready_paths(&decided);
+        out.sort();
+        assert_eq!(out, [Path::new("alaw.wav"), Path::new("text.wav")]);
+        let pending = s.pending();
+        assert_eq!(pending.len(), 1);
+        assert_eq!(pending[0].path, "growing.wav");
+        assert!(
+            pending[0].why.contains("still being written"),
+            "{}",
+            pending[0].why
+        );
     }
 
     #[test]
@@ -422,12 +506,7 @@ mod tests {
         let fs = FakeFs::new();
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
-        fs.set(
-            "a.wav",
-            44,
-            1,
-            Err("recording in progress: data size 0 in header"),
-        );
+        fs.set("a.wav", 44, 1, Err(DecodeError::PlaceholderSizes));
         s.note(Path::new("a.wav"), true, t0);
         let mut probes = 0;
         loop {
@@ -443,10 +522,16 @@ mod tests {
             }
             assert_eq!(now, t0 + QUARANTINE);
             match out.as_slice() {
-                [Settled::Quarantine { path, reason }] => {
+                [Settled::Quarantine {
+                    path,
+                    after_s,
+                    detail,
+                }] => {
+                    let reason = format!("{after_s} s: {detail}");
                     assert_eq!(path, Path::new("a.wav"));
                     assert!(reason.contains("recording in progress"), "{reason}");
                     assert!(reason.contains("300 s"), "{reason}");
+                    let _ = path;
                 }
                 other => panic!("expected a quarantine, got {other:?}"),
             }
@@ -462,7 +547,12 @@ mod tests {
         let fs = FakeFs::new();
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
-        fs.set("a.wav", 1000, 1, Err("truncated"));
+        fs.set(
+            "a.wav",
+            1000,
+            1,
+            Err(DecodeError::TruncatedChunkHeader { file_len: 3 }),
+        );
         s.note(Path::new("a.wav"), false, t0);
         // Poll until halfway, then the file grows without an event (probe-observed change).
         let half = t0 + QUARANTINE / 2;
@@ -470,7 +560,12 @@ mod tests {
             let now = s.next_deadline().unwrap();
             assert!(s.poll(now, fs.probe()).is_empty());
         }
-        fs.set("a.wav", 2000, 2, Err("truncated"));
+        fs.set(
+            "a.wav",
+            2000,
+            2,
+            Err(DecodeError::TruncatedChunkHeader { file_len: 3 }),
+        );
         let changed_at = s.next_deadline().unwrap();
         assert!(s.poll(changed_at, fs.probe()).is_empty());
         // Past the original deadline: still waiting.
@@ -549,7 +644,7 @@ mod tests {
         let fs = FakeFs::new();
         let t0 = Instant::now();
         let mut s = Settler::new(Duration::ZERO, Duration::from_secs(1));
-        fs.set("a.wav", 44, 1, Err("recording in progress"));
+        fs.set("a.wav", 44, 1, Err(DecodeError::PlaceholderSizes));
         s.note(Path::new("a.wav"), false, t0);
         assert!(s.poll(t0, fs.probe()).is_empty());
         assert!(s.next_deadline().unwrap() > t0);

@@ -1,82 +1,77 @@
-//! Manifest: the single record of what has been ingested (sled). Every file with its hash, size,
-//! mtime, label, split, row, state and reason; every content hash with its row. A file counts as
-//! ingested exactly when its manifest record says `Committed`.
+//! Manifest: the durable record of what has been ingested (sled), written only by the engine's
+//! commit stage. Every path the engine has judged (the bytes it holds, or why it is quarantined),
+//! every content hash with its row and the paths that hold it, and the row count of each split.
+//! A path counts as ingested exactly when its record holds a hash and no quarantine reason.
 //!
-//! Records are stored as a tagged, versioned enum (`{"v":1,...}`) so the format can change later;
-//! `meta/schema_version` is checked on open against `migrations/`.
+//! Values are a version byte followed by the record in postcard (a compact serde format: cheap
+//! to write on the bulk path); `meta/schema_version` is checked on open, and older layouts are
+//! upgraded in place (see `migrations/` and [`crate::migrate`]).
 
 use crate::identity::Hash;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// Version of the manifest layout. The descriptions and upgrade steps live in `migrations/`.
-pub const MANIFEST_SCHEMA_VERSION: u32 = 1;
+pub const MANIFEST_SCHEMA_VERSION: u32 = 2;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FileState {
-    /// Has a complete row (its own, or the row of identical bytes seen first).
-    Committed,
-    /// Cannot be used; `reason` says why. Retried when the bytes change.
-    Quarantined,
+/// First byte of every stored record: the layout it was written with.
+const RECORD_VERSION: u8 = 2;
+
+/// Why a path has no row, as stored: a stable kind (for metrics and tests) and the text an
+/// operator reads.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredReason {
+    pub kind: String,
+    pub text: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FileRecord {
-    /// blake3 of the bytes, hex (None when the file could not be read at all).
-    pub hash: Option<String>,
+    /// blake3 of the bytes (None when the file could not be read at all).
+    pub hash: Option<Hash>,
+    /// Size and mtime of the bytes judged: the file is looked at again only when they change.
     pub size: u64,
     pub mtime_ns: i64,
-    pub label: Option<i16>,
-    pub split: Option<u8>,
-    pub row: Option<u64>,
-    pub state: FileState,
-    pub reason: Option<String>,
+    /// Set when the path is quarantined; None when it holds a row (its content's).
+    pub quarantine: Option<StoredReason>,
     /// Unix milliseconds when this record was written.
     pub updated_ms: i64,
 }
 
 impl FileRecord {
-    /// A file that cannot be used, and why. Size and mtime say which bytes were judged, so the
-    /// file is retried only when they change.
-    pub fn quarantined(hash: Option<&Hash>, size: u64, mtime_ns: i64, reason: &str) -> FileRecord {
-        FileRecord {
-            hash: hash.map(crate::identity::hex),
-            size,
-            mtime_ns,
-            label: None,
-            split: None,
-            row: None,
-            state: FileState::Quarantined,
-            reason: Some(reason.to_string()),
-            updated_ms: now_ms(),
+    /// The row this path holds, if it holds one.
+    pub fn holds(&self) -> Option<&Hash> {
+        match self.quarantine {
+            None => self.hash.as_ref(),
+            Some(_) => None,
         }
     }
 }
 
-/// A content hash's row. Rows never move; `valid` mirrors the outputs' `valid` column.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ContentRecord {
+/// Where a content's row is. Rows never move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct RowRef {
     pub split: u8,
     pub row: u64,
+}
+
+/// A content hash: its row, and the live paths holding these bytes, in byte order. The first
+/// path owns the row (its label and file-name columns are the row's).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ContentRecord {
+    /// None only while the row is being (re)made: its owner is queued for reading.
+    pub row: Option<RowRef>,
+    /// Label id written in the row.
     pub label: i16,
+    /// Mirrors the outputs' `valid` column.
     pub valid: bool,
-    /// How many paths hold these bytes now; the row turns invalid when the last one goes.
-    pub refs: u32,
+    pub paths: Vec<String>,
 }
 
-#[derive(Serialize, Deserialize)]
-#[serde(tag = "v")]
-enum StoredFile {
-    #[serde(rename = "1")]
-    V1(FileRecord),
-}
-
-#[derive(Serialize, Deserialize)]
-#[serde(tag = "v")]
-enum StoredContent {
-    #[serde(rename = "1")]
-    V1(ContentRecord),
+impl ContentRecord {
+    pub fn owner(&self) -> Option<&str> {
+        self.paths.first().map(|s| s.as_str())
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -112,13 +107,28 @@ pub struct Manifest {
 pub struct ManifestBatch {
     files: sled::Batch,
     content: sled::Batch,
+    meta: sled::Batch,
     pub len: usize,
+}
+
+pub fn encode<T: Serialize>(rec: &T) -> Vec<u8> {
+    let mut out = vec![RECORD_VERSION];
+    // Serialising plain structs into a Vec cannot fail.
+    out.extend(postcard::to_stdvec(rec).expect("records serialise"));
+    out
+}
+
+fn decode<T: for<'de> Deserialize<'de>>(v: &[u8]) -> Result<T, String> {
+    match v.split_first() {
+        Some((&RECORD_VERSION, body)) => postcard::from_bytes(body).map_err(|e| e.to_string()),
+        Some((other, _)) => Err(format!("record version {other}")),
+        None => Err("empty record".into()),
+    }
 }
 
 impl ManifestBatch {
     pub fn put_file(&mut self, rel: &str, rec: &FileRecord) {
-        let bytes = serde_json::to_vec(&StoredFile::V1(rec.clone())).unwrap();
-        self.files.insert(rel.as_bytes(), bytes);
+        self.files.insert(rel.as_bytes(), encode(rec));
         self.len += 1;
     }
     pub fn remove_file(&mut self, rel: &str) {
@@ -126,8 +136,15 @@ impl ManifestBatch {
         self.len += 1;
     }
     pub fn put_content(&mut self, hash: &Hash, rec: &ContentRecord) {
-        let bytes = serde_json::to_vec(&StoredContent::V1(rec.clone())).unwrap();
-        self.content.insert(&hash[..], bytes);
+        self.content.insert(&hash[..], encode(rec));
+        self.len += 1;
+    }
+    pub fn remove_content(&mut self, hash: &Hash) {
+        self.content.remove(&hash[..]);
+        self.len += 1;
+    }
+    pub fn put_meta(&mut self, key: &str, value: &str) {
+        self.meta.insert(key.as_bytes(), value.as_bytes());
         self.len += 1;
     }
 }
@@ -162,7 +179,7 @@ pub fn now_ms() -> i64 {
 }
 
 impl Manifest {
-    /// Open (creating if absent) and check the schema version.
+    /// Open (creating if absent), check the schema version, upgrade an older layout.
     pub fn open(dir: &Path) -> Result<Manifest, ManifestError> {
         let path = dir.display().to_string();
         let db_err = |source| ManifestError::Db {
@@ -202,6 +219,9 @@ impl Manifest {
                     found: text.clone(),
                 })?;
                 crate::migrate::check_manifest_version(&path, found)?;
+                if found < MANIFEST_SCHEMA_VERSION {
+                    crate::migrate::upgrade_manifest(&m, found)?;
+                }
             }
         }
         Ok(m)
@@ -211,10 +231,22 @@ impl Manifest {
         &self.path
     }
 
-    fn err(&self, source: sled::Error) -> ManifestError {
+    pub(crate) fn err(&self, source: sled::Error) -> ManifestError {
         ManifestError::Db {
             path: self.path.clone(),
             source,
+        }
+    }
+
+    pub(crate) fn trees(&self) -> (&sled::Tree, &sled::Tree, &sled::Tree) {
+        (&self.files, &self.content, &self.meta)
+    }
+
+    fn corrupt(&self, key: String, message: String) -> ManifestError {
+        ManifestError::Corrupt {
+            path: self.path.clone(),
+            key,
+            message,
         }
     }
 
@@ -241,36 +273,48 @@ impl Manifest {
             .unwrap_or_default())
     }
 
+    /// Rows each split's outputs hold as of the last commit (rows never move, so this only grows).
+    pub fn rows(&self) -> Result<[u64; 3], ManifestError> {
+        let mut rows = [0u64; 3];
+        for (split, n) in rows.iter_mut().enumerate() {
+            if let Some(v) = self.get_meta(&format!("rows_{split}"))? {
+                *n = v
+                    .parse()
+                    .map_err(|_| self.corrupt(format!("meta/rows_{split}"), v))?;
+            }
+        }
+        Ok(rows)
+    }
+
     pub fn get_file(&self, rel: &str) -> Result<Option<FileRecord>, ManifestError> {
         match self.files.get(rel.as_bytes()).map_err(|e| self.err(e))? {
             None => Ok(None),
-            Some(v) => self.decode_file(rel, &v).map(Some),
-        }
-    }
-
-    fn decode_file(&self, key: &str, v: &[u8]) -> Result<FileRecord, ManifestError> {
-        match serde_json::from_slice::<StoredFile>(v) {
-            Ok(StoredFile::V1(r)) => Ok(r),
-            Err(e) => Err(ManifestError::Corrupt {
-                path: self.path.clone(),
-                key: key.to_string(),
-                message: e.to_string(),
-            }),
+            Some(v) => decode(&v)
+                .map(Some)
+                .map_err(|m| self.corrupt(rel.to_string(), m)),
         }
     }
 
     pub fn get_content(&self, hash: &Hash) -> Result<Option<ContentRecord>, ManifestError> {
         match self.content.get(&hash[..]).map_err(|e| self.err(e))? {
             None => Ok(None),
-            Some(v) => match serde_json::from_slice::<StoredContent>(&v) {
-                Ok(StoredContent::V1(r)) => Ok(Some(r)),
-                Err(e) => Err(ManifestError::Corrupt {
-                    path: self.path.clone(),
-                    key: crate::identity::hex(hash),
-                    message: e.to_string(),
-                }),
-            },
+            Some(v) => decode(&v)
+                .map(Some)
+                .map_err(|m| self.corrupt(crate::identity::hex(hash), m)),
         }
+    }
+
+    /// Paths recorded under folder `prefix` (relative, without the trailing `/`).
+    pub fn files_under(&self, prefix: &str) -> Result<Vec<String>, ManifestError> {
+        let p = format!("{}/", prefix.trim_end_matches('/'));
+        self.files
+            .scan_prefix(p.as_bytes())
+            .keys()
+            .map(|k| {
+                k.map(|k| String::from_utf8_lossy(&k).to_string())
+                    .map_err(|e| self.err(e))
+            })
+            .collect()
     }
 
     /// Every file record, in path order.
@@ -278,7 +322,7 @@ impl Manifest {
         self.files.iter().map(move |kv| {
             let (k, v) = kv.map_err(|e| self.err(e))?;
             let key = String::from_utf8_lossy(&k).to_string();
-            let rec = self.decode_file(&key, &v)?;
+            let rec = decode(&v).map_err(|m| self.corrupt(key.clone(), m))?;
             Ok((key, rec))
         })
     }
@@ -293,24 +337,19 @@ impl Manifest {
             if k.len() == 32 {
                 hash.copy_from_slice(&k);
             }
-            match serde_json::from_slice::<StoredContent>(&v) {
-                Ok(StoredContent::V1(r)) => Ok((hash, r)),
-                Err(e) => Err(ManifestError::Corrupt {
-                    path: self.path.clone(),
-                    key: crate::identity::hex(&hash),
-                    message: e.to_string(),
-                }),
-            }
+            let rec = decode(&v).map_err(|m| self.corrupt(crate::identity::hex(&hash), m))?;
+            Ok((hash, rec))
         })
     }
 
     pub fn apply(&self, batch: ManifestBatch) -> Result<(), ManifestError> {
-        self.files
-            .apply_batch(batch.files)
-            .map_err(|e| self.err(e))?;
         self.content
             .apply_batch(batch.content)
             .map_err(|e| self.err(e))?;
+        self.files
+            .apply_batch(batch.files)
+            .map_err(|e| self.err(e))?;
+        self.meta.apply_batch(batch.meta).map_err(|e| self.err(e))?;
         Ok(())
     }
 
@@ -325,16 +364,12 @@ impl Manifest {
 mod tests {
     use super::*;
 
-    fn rec(state: FileState) -> FileRecord {
+    fn rec() -> FileRecord {
         FileRecord {
-            hash: Some("ab".into()),
+            hash: Some([7; 32]),
             size: 10,
             mtime_ns: 5,
-            label: Some(1),
-            split: Some(0),
-            row: Some(3),
-            state,
-            reason: None,
+            quarantine: None,
             updated_ms: 0,
         }
     }
@@ -345,27 +380,29 @@ mod tests {
         {
             let m = Manifest::open(dir.path()).unwrap();
             let mut b = ManifestBatch::default();
-            b.put_file("LEAK/a.wav", &rec(FileState::Committed));
+            b.put_file("LEAK/a.wav", &rec());
             b.put_content(
                 &[7; 32],
                 &ContentRecord {
-                    split: 0,
-                    row: 3,
+                    row: Some(RowRef { split: 0, row: 3 }),
                     label: 1,
                     valid: true,
-                    refs: 1,
+                    paths: vec!["LEAK/a.wav".into()],
                 },
             );
+            b.put_meta("rows_0", "4");
             m.apply(b).unwrap();
             m.flush().unwrap();
         }
         let m = Manifest::open(dir.path()).unwrap();
-        assert_eq!(
-            m.get_file("LEAK/a.wav").unwrap(),
-            Some(rec(FileState::Committed))
-        );
-        assert_eq!(m.get_content(&[7; 32]).unwrap().unwrap().row, 3);
+        assert_eq!(m.get_file("LEAK/a.wav").unwrap(), Some(rec()));
+        let c = m.get_content(&[7; 32]).unwrap().unwrap();
+        assert_eq!(c.row, Some(RowRef { split: 0, row: 3 }));
+        assert_eq!(c.owner(), Some("LEAK/a.wav"));
+        assert_eq!(m.rows().unwrap(), [4, 0, 0]);
         assert_eq!(m.files().count(), 1);
+        assert_eq!(m.files_under("LEAK").unwrap(), vec!["LEAK/a.wav"]);
+        assert!(m.files_under("LEA").unwrap().is_empty());
     }
 
     #[test]
@@ -378,5 +415,17 @@ mod tests {
         }
         let err = Manifest::open(dir.path()).err().unwrap().to_string();
         assert!(err.contains("newer") && err.contains("99"), "{err}");
+    }
+
+    #[test]
+    fn a_record_of_another_version_is_reported_corrupt_not_misread() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manifest::open(dir.path()).unwrap();
+        m.trees().0.insert("LEAK/a.wav", vec![9u8, 1, 2]).unwrap();
+        let err = m.get_file("LEAK/a.wav").unwrap_err().to_string();
+        assert!(
+            err.contains("LEAK/a.wav") && err.contains("version 9"),
+            "{err}"
+        );
     }
 }

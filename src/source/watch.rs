@@ -211,9 +211,14 @@ impl Watcher {
         // notify calls the handler on its own thread; hand the raw events to our worker so
         // walking a new folder never holds up notify's read of the kernel queue.
         let (raw_tx, raw_rx) = crossbeam_channel::unbounded();
-        let mut inner = notify::recommended_watcher(move |res| {
-            let _ = raw_tx.send(res);
-        })
+        // Symbolic links are not followed (README, "Identity, labels, splits"): a link named
+        // `*.wav` is reported like a file and rejected by the source rule.
+        let mut inner = RecommendedWatcher::new(
+            move |res| {
+                let _ = raw_tx.send(res);
+            },
+            notify::Config::default().with_follow_symlinks(false),
+        )
         .map_err(|e| WatchError::from_notify(&root, e))?;
         inner
             .watch(&root, RecursiveMode::Recursive)
@@ -426,7 +431,7 @@ impl Translator {
     }
 
     fn arrived(&mut self, abs: &Path, rel: PathBuf, emit: &mut dyn FnMut(WatchEvent)) {
-        match std::fs::metadata(abs) {
+        match std::fs::symlink_metadata(abs) {
             // A folder moved in: its files come as Found, not MovedIn, because a writer outside
             // the tree may still hold one of them open.
             Ok(meta) if meta.is_dir() => self.dir_appeared(abs, rel, emit),
@@ -449,8 +454,8 @@ impl Translator {
 
     /// Records every folder under `abs` and, with `files`, reports every `.wav` in it as Found.
     fn walk(&mut self, abs: &Path, files: bool, emit: &mut dyn FnMut(WatchEvent)) {
-        // Follow links as notify does (its default), so we list what it watches.
-        for entry in WalkDir::new(abs).follow_links(true) {
+        // Links are not followed, as notify is told.
+        for entry in WalkDir::new(abs).follow_links(false) {
             if self.stopping.load(Ordering::Relaxed) {
                 return;
             }
@@ -471,7 +476,7 @@ impl Translator {
             let file_type = entry.file_type();
             if file_type.is_dir() {
                 self.dirs.insert(rel.to_path_buf());
-            } else if files && file_type.is_file() && is_wav(rel) {
+            } else if files && (file_type.is_file() || file_type.is_symlink()) && is_wav(rel) {
                 emit(WatchEvent::Touched {
                     path: rel.to_path_buf(),
                     kind: TouchKind::Found,

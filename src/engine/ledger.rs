@@ -1,0 +1,800 @@
+//! Ledger: the one place that decides what observations mean for rows, the manifest and the
+//! quarantine (README, "Identity, labels, splits"). `rebuild` and `run` both feed it; nothing
+//! else decides. Given a batch of observations it returns a [`Plan`]: rows to append (with the
+//! decoded recordings to featurise), in-place edits of existing rows, and the records to store.
+//! The commit stage carries a plan out; the ledger never writes.
+//!
+//! The rules:
+//! - identity is content: a path holds the row of its bytes; the bytes' live paths are kept in
+//!   byte order and the first (smallest) owns the row: its label, `source_path` and file-name
+//!   columns are the row's. When the owner goes, the next path takes the row over in place;
+//!   when none is left the row turns invalid (and valid again if the bytes come back).
+//! - new bytes at a known path leave the old bytes' row (superseded) and get their own;
+//! - a path that cannot be used (unreadable, not decodable, not placeable, rejected by the
+//!   source) is quarantined, and lets go of any row it held;
+//! - the split is the owner's (hash, sensor or directory mode): a row never moves, so when a new
+//!   owner belongs to another split the row is retired (invalid) and a new one is made there.
+//!
+//! Decisions of batches not yet committed stay in a write-back cache, so the next batch can be
+//! decided while the previous one is still being featurised and written (stages overlap).
+//! Entries leave the cache once the commit stage reports their batch durable.
+
+use crate::config::Settings;
+use crate::decode::Waveform;
+use crate::engine::manifest::{now_ms, ContentRecord, FileRecord, Manifest, RowRef};
+use crate::engine::outcome::{Load, Loaded, Observation, Reason};
+use crate::identity::{self, Hash, LabelSet, Placement, PlacementError};
+use crate::output::RowMeta;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Where the ledger reads what was committed before (the manifest; a map in tests).
+pub trait Store {
+    fn file(&self, rel: &str) -> anyhow::Result<Option<FileRecord>>;
+    fn content(&self, hash: &Hash) -> anyhow::Result<Option<ContentRecord>>;
+    /// Paths recorded under `folder`.
+    fn files_under(&self, folder: &str) -> anyhow::Result<Vec<String>>;
+}
+
+impl Store for Manifest {
+    fn file(&self, rel: &str) -> anyhow::Result<Option<FileRecord>> {
+        Ok(self.get_file(rel)?)
+    }
+    fn content(&self, hash: &Hash) -> anyhow::Result<Option<ContentRecord>> {
+        Ok(self.get_content(hash)?)
+    }
+    fn files_under(&self, folder: &str) -> anyhow::Result<Vec<String>> {
+        Ok(Manifest::files_under(self, folder)?)
+    }
+}
+
+/// A row to append: where it goes, its columns, and the recording to featurise.
+#[derive(Debug)]
+pub struct NewRow {
+    pub row: u64,
+    pub meta: RowMeta,
+    pub wave: Waveform,
+}
+
+/// A change to a row that exists.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Edit {
+    Valid {
+        at: RowRef,
+        valid: bool,
+    },
+    /// The row has a new owner (or label): rewrite its label and path columns.
+    Owner {
+        at: RowRef,
+        meta: RowMeta,
+    },
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    /// Rows appended.
+    pub new_rows: usize,
+    /// Paths that now hold bytes another path (or an earlier version) already had a row for.
+    pub attached: usize,
+    /// Paths seen again with the bytes they had.
+    pub unchanged: usize,
+    pub removed: usize,
+    pub quarantined: usize,
+}
+
+/// What one batch of observations changes. Carried out by the commit stage in this order:
+/// append `new_rows`, apply `edits`, commit the outputs, then store the records.
+#[derive(Debug, Default)]
+pub struct Plan {
+    /// Batch number (the cache entries this plan wrote carry it).
+    pub gen: u64,
+    pub new_rows: [Vec<NewRow>; 3],
+    pub edits: Vec<Edit>,
+    pub files: Vec<(String, Option<FileRecord>)>,
+    pub contents: Vec<(Hash, Option<ContentRecord>)>,
+    /// The whole label list, when this batch appended labels.
+    pub labels: Option<Vec<String>>,
+    /// Rows per split once this plan is carried out.
+    pub rows: [u64; 3],
+    pub quarantined: Vec<(String, Reason)>,
+    /// Paths to read again: their bytes' row must be made anew (in another split).
+    pub reread: Vec<String>,
+    /// When each path that now holds a row was seen complete (latency figures).
+    pub seen: Vec<Instant>,
+    pub counts: Counts,
+}
+
+/// The rules, with their write-back cache.
+pub struct Ledger {
+    settings: Settings,
+    labels: LabelSet,
+    /// Rows per split, counting the plans decided so far.
+    rows: [u64; 3],
+    gen: u64,
+    /// Decided records not yet known durable, with the batch that wrote them (None = removed).
+    files: HashMap<String, (Option<FileRecord>, u64)>,
+    contents: HashMap<Hash, (Option<ContentRecord>, u64)>,
+    /// The newest batch the commit stage has made durable.
+    committed: Arc<AtomicU64>,
+}
+
+/// How a path comes out of one observation.
+enum Binding {
+    Nothing,
+    Quarantine {
+        reason: Reason,
+        hash: Option<Hash>,
+        size: u64,
+        mtime_ns: i64,
+    },
+    Holds {
+        hash: Hash,
+        size: u64,
+        mtime_ns: i64,
+    },
+}
+
+impl Ledger {
+    pub fn new(settings: &Settings, labels: LabelSet, rows: [u64; 3]) -> Ledger {
+        Ledger {
+            settings: settings.clone(),
+            labels,
+            rows,
+            gen: 0,
+            files: HashMap::new(),
+            contents: HashMap::new(),
+            committed: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// The counter the commit stage advances when a plan is durable.
+    pub fn committed_handle(&self) -> Arc<AtomicU64> {
+        self.committed.clone()
+    }
+
+    pub fn labels(&self) -> &[String] {
+        &self.labels.names
+    }
+
+    pub fn rows(&self) -> [u64; 3] {
+        self.rows
+    }
+
+    /// Forget every decision not yet durable (the commit stage failed): the store is the truth
+    /// again, and the outputs are cut back to its row counts by whoever reopens them.
+    pub fn reset(&mut self, labels: LabelSet, rows: [u64; 3]) {
+        self.files.clear();
+        self.contents.clear();
+        self.labels = labels;
+        self.rows = rows;
+    }
+
+    fn file(&self, store: &dyn Store, rel: &str) -> anyhow::Result<Option<FileRecord>> {
+        match self.files.get(rel) {
+            Some((r, _)) => Ok(r.clone()),
+            None => store.file(rel),
+        }
+    }
+
+    fn content(&self, store: &dyn Store, hash: &Hash) -> anyhow::Result<Option<ContentRecord>> {
+        match self.contents.get(hash) {
+            Some((c, _)) => Ok(c.clone()),
+            None => store.content(hash),
+        }
+    }
+
+    fn paths_under(&self, store: &dyn Store, folder: &str) -> anyhow::Result<BTreeSet<String>> {
+        let prefix = format!("{}/", folder.trim_end_matches('/'));
+        let mut paths: BTreeSet<String> = store
+            .files_under(folder)?
+            .into_iter()
+            .filter(|p| !matches!(self.files.get(p), Some((None, _))))
+            .collect();
+        for (p, (rec, _)) in &self.files {
+            if rec.is_some() && p.starts_with(&prefix) {
+                paths.insert(p.clone());
+            }
+        }
+        Ok(paths)
+    }
+
+    fn place(&mut self, rel: &str, hash: &Hash) -> Result<Placement, PlacementError> {
+        identity::place(&self.settings, &mut self.labels, rel, hash)
+    }
+
+    /// Take a content into this batch's working set, remembering how it was before.
+    fn touch(
+        &self,
+        store: &dyn Store,
+        before: &mut BTreeMap<Hash, Option<ContentRecord>>,
+        current: &mut HashMap<Hash, ContentRecord>,
+        h: Hash,
+    ) -> anyhow::Result<()> {
+        if let std::collections::btree_map::Entry::Vacant(e) = before.entry(h) {
+            let c = self.content(store, &h)?;
+            current.insert(
+                h,
+                c.clone().unwrap_or(ContentRecord {
+                    row: None,
+                    label: 0,
+                    valid: false,
+                    paths: Vec::new(),
+                }),
+            );
+            e.insert(c);
+        }
+        Ok(())
+    }
+
+    /// Decide a batch. Within a batch, the last observation of a path counts.
+    pub fn decide(&mut self, store: &dyn Store, batch: Vec<Observation>) -> anyhow::Result<Plan> {
+        let durable = self.committed.load(Ordering::Acquire);
+        self.files.retain(|_, (_, g)| *g > durable);
+        self.contents.retain(|_, (_, g)| *g > durable);
+        self.gen += 1;
+        let mut plan = Plan {
+            gen: self.gen,
+            ..Plan::default()
+        };
+        let labels_before = self.labels.names.len();
+
+        let mut last: BTreeMap<String, Observation> = BTreeMap::new();
+        for o in batch {
+            if let Observation::FolderGone(folder) = &o {
+                for rel in self.paths_under(store, folder)? {
+                    last.insert(rel.clone(), Observation::Gone(rel));
+                }
+            } else {
+                last.insert(o.rel().to_string(), o);
+            }
+        }
+
+        // Contents this batch touched, as they were before it.
+        let mut before: BTreeMap<Hash, Option<ContentRecord>> = BTreeMap::new();
+        let mut current: HashMap<Hash, ContentRecord> = HashMap::new();
+        let mut waves: HashMap<Hash, Waveform> = HashMap::new();
+        let mut files: BTreeMap<String, Option<FileRecord>> = BTreeMap::new();
+        let mut seen: HashMap<String, Instant> = HashMap::new();
+
+        for (rel, o) in last {
+            let old = self.file(store, &rel)?;
+            let old_hold = old.as_ref().and_then(|f| f.holds().copied());
+            let binding = match o {
+                Observation::Gone(_)
+                | Observation::Loaded(Loaded {
+                    load: Load::Vanished,
+                    ..
+                }) => Binding::Nothing,
+                Observation::FolderGone(_) => unreachable!("expanded above"),
+                Observation::Rejected {
+                    reason,
+                    size,
+                    mtime_ns,
+                    ..
+                } => Binding::Quarantine {
+                    reason,
+                    hash: None,
+                    size,
+                    mtime_ns,
+                },
+                Observation::Loaded(Loaded {
+                    load: Load::Unreadable(e),
+                    ..
+                }) => Binding::Quarantine {
+                    reason: Reason::Unreadable(e),
+                    hash: None,
+                    size: 0,
+                    mtime_ns: 0,
+                },
+                Observation::Loaded(Loaded {
+                    seen: seen_at,
+                    load:
+                        Load::Read {
+                            size,
+                            mtime_ns,
+                            hash,
+                            decoded,
+                        },
+                    ..
+                }) => {
+                    let placed = decoded.and_then(|w| {
+                        self.place(&rel, &hash)
+                            .map(|_| w)
+                            .map_err(Reason::Placement)
+                    });
+                    match placed {
+                        Err(reason) => Binding::Quarantine {
+                            reason,
+                            hash: Some(hash),
+                            size,
+                            mtime_ns,
+                        },
+                        Ok(wave) => {
+                            waves.entry(hash).or_insert(wave);
+                            if let Some(t) = seen_at {
+                                seen.insert(rel.clone(), t);
+                            }
+                            Binding::Holds {
+                                hash,
+                                size,
+                                mtime_ns,
+                            }
+                        }
+                    }
+                }
+            };
+            let holds_now = match &binding {
+                Binding::Holds { hash, .. } => Some(*hash),
+                _ => None,
+            };
+            if let Some(h) = old_hold.filter(|h| Some(*h) != holds_now) {
+                self.touch(store, &mut before, &mut current, h)?;
+                let paths = &mut current.get_mut(&h).expect("touched").paths;
+                if let Ok(i) = paths.binary_search(&rel) {
+                    paths.remove(i);
+                }
+            }
+            match binding {
+                Binding::Nothing => {
+                    if old.is_some() {
+                        plan.counts.removed += 1;
+                        files.insert(rel, None);
+                    }
+                }
+                Binding::Quarantine {
+                    reason,
+                    hash,
+                    size,
+                    mtime_ns,
+                } => {
+                    files.insert(
+                        rel.clone(),
+                        Some(FileRecord {
+                            hash,
+                            size,
+                            mtime_ns,
+                            quarantine: Some(reason.stored()),
+                            updated_ms: now_ms(),
+                        }),
+                    );
+                    plan.counts.quarantined += 1;
+                    plan.quarantined.push((rel, reason));
+                }
+                Binding::Holds {
+                    hash,
+                    size,
+                    mtime_ns,
+                } => {
+                    if old_hold == Some(hash) {
+                        plan.counts.unchanged += 1;
+                        // Its row may be waiting to be made anew (a reread).
+                        if self.content(store, &hash)?.is_none_or(|c| c.row.is_none()) {
+                            self.touch(store, &mut before, &mut current, hash)?;
+                        }
+                    } else {
+                        self.touch(store, &mut before, &mut current, hash)?;
+                        let paths = &mut current.get_mut(&hash).expect("touched").paths;
+                        if let Err(i) = paths.binary_search(&rel) {
+                            paths.insert(i, rel.clone());
+                        }
+                    }
+                    files.insert(
+                        rel,
+                        Some(FileRecord {
+                            hash: Some(hash),
+                            size,
+                            mtime_ns,
+                            quarantine: None,
+                            updated_ms: now_ms(),
+                        }),
+                    );
+                }
+            }
+        }
+
+        // Each touched content: who owns it now, and what its row needs.
+        let mut contents: Vec<(Hash, Option<ContentRecord>)> = Vec::new();
+        for (hash, was) in before {
+            let mut c = current.remove(&hash).expect("touched");
+            let Some(owner) = c.paths.first().cloned() else {
+                match c.row {
+                    Some(at) => {
+                        if c.valid {
+                            plan.edits.push(Edit::Valid { at, valid: false });
+                            c.valid = false;
+                        }
+                        contents.push((hash, Some(c)));
+                    }
+                    None if was.is_some() => contents.push((hash, None)),
+                    None => {}
+                }
+                continue;
+            };
+            let placement = self
+                .place(&owner, &hash)
+                .map_err(|e| anyhow::anyhow!("{owner} was placed, now: {e}"))?;
+            let meta = row_meta(&owner, &hash, placement.label);
+            match c.row {
+                Some(at) if at.split as usize == placement.split => {
+                    if !c.valid {
+                        plan.edits.push(Edit::Valid { at, valid: true });
+                        c.valid = true;
+                    }
+                    let was_owner = was.as_ref().and_then(|w| w.owner().map(str::to_string));
+                    if was_owner.as_deref() != Some(owner.as_str()) || c.label != placement.label {
+                        plan.edits.push(Edit::Owner { at, meta });
+                        c.label = placement.label;
+                    }
+                    plan.counts.attached += 1;
+                }
+                old_row => {
+                    if let (Some(at), true) = (old_row, c.valid) {
+                        plan.edits.push(Edit::Valid { at, valid: false });
+                    }
+                    match waves.remove(&hash) {
+                        Some(wave) => {
+                            let split = placement.split;
+                            let row = self.rows[split];
+                            self.rows[split] += 1;
+                            plan.new_rows[split].push(NewRow { row, meta, wave });
+                            c.row = Some(RowRef {
+                                split: split as u8,
+                                row,
+                            });
+                            c.valid = true;
+                            c.label = placement.label;
+                            plan.counts.new_rows += 1;
+                        }
+                        None => {
+                            // The old row (if any) is retired above; the new one waits for
+                            // the owner to be read again.
+                            c.row = None;
+                            c.valid = false;
+                            plan.reread.push(owner);
+                        }
+                    }
+                }
+            }
+            contents.push((hash, Some(c)));
+        }
+
+        for (rel, rec) in &files {
+            if rec.as_ref().is_some_and(|r| r.holds().is_some()) {
+                if let Some(t) = seen.get(rel) {
+                    plan.seen.push(*t);
+                }
+            }
+        }
+        for (rel, rec) in files {
+            self.files.insert(rel.clone(), (rec.clone(), plan.gen));
+            plan.files.push((rel, rec));
+        }
+        for (hash, c) in contents {
+            self.contents.insert(hash, (c.clone(), plan.gen));
+            plan.contents.push((hash, c));
+        }
+        if self.labels.names.len() != labels_before {
+            plan.labels = Some(self.labels.names.clone());
+        }
+        plan.rows = self.rows;
+        Ok(plan)
+    }
+}
+
+/// The columns of a row owned by `rel`.
+pub fn row_meta(rel: &str, hash: &Hash, label: i16) -> RowMeta {
+    let file_name = rel.rsplit('/').next().unwrap_or(rel);
+    let name = identity::parse_name(file_name);
+    RowMeta {
+        label,
+        blake3: *hash,
+        source_path: rel.to_string(),
+        sensor_id: name.sensor_id,
+        recording_id: name.recording_id,
+        recorded_at: name.recorded_at,
+        gain_db: name.gain_db,
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::config::SplitMode;
+    use crate::decode::DecodeError;
+
+    /// The committed state, as the commit stage would leave it, plus the rows as a reader sees
+    /// them (valid, label, source_path per (split, row)).
+    #[derive(Default)]
+    pub(crate) struct Model {
+        pub files: BTreeMap<String, FileRecord>,
+        pub contents: BTreeMap<Hash, ContentRecord>,
+        pub rows: BTreeMap<RowRef, (bool, RowMeta)>,
+    }
+
+    impl Store for Model {
+        fn file(&self, rel: &str) -> anyhow::Result<Option<FileRecord>> {
+            Ok(self.files.get(rel).cloned())
+        }
+        fn content(&self, hash: &Hash) -> anyhow::Result<Option<ContentRecord>> {
+            Ok(self.contents.get(hash).cloned())
+        }
+        fn files_under(&self, folder: &str) -> anyhow::Result<Vec<String>> {
+            let p = format!("{folder}/");
+            Ok(self
+                .files
+                .keys()
+                .filter(|k| k.starts_with(&p))
+                .cloned()
+                .collect())
+        }
+    }
+
+    impl Model {
+        pub(crate) fn commit(&mut self, plan: Plan, ledger: &Ledger) {
+            for (split, rows) in plan.new_rows.into_iter().enumerate() {
+                for r in rows {
+                    let at = RowRef {
+                        split: split as u8,
+                        row: r.row,
+                    };
+                    assert!(!self.rows.contains_key(&at), "row {at:?} written twice");
+                    self.rows.insert(at, (true, r.meta));
+                }
+            }
+            for e in plan.edits {
+                match e {
+                    Edit::Valid { at, valid } => self.rows.get_mut(&at).expect("row").0 = valid,
+                    Edit::Owner { at, meta } => {
+                        let row = self.rows.get_mut(&at).expect("row");
+                        assert_eq!(row.1.blake3, meta.blake3, "an owner edit keeps the content");
+                        row.1 = meta;
+                    }
+                }
+            }
+            for (rel, rec) in plan.files {
+                match rec {
+                    Some(r) => self.files.insert(rel, r),
+                    None => self.files.remove(&rel),
+                };
+            }
+            for (h, c) in plan.contents {
+                match c {
+                    Some(c) => self.contents.insert(h, c),
+                    None => self.contents.remove(&h),
+                };
+            }
+            ledger.committed.store(plan.gen, Ordering::Release);
+        }
+
+        /// (source_path, label) of every valid row, by content.
+        pub(crate) fn valid_rows(&self) -> BTreeMap<Hash, (String, i16, u8)> {
+            let mut out = BTreeMap::new();
+            for (at, (valid, meta)) in &self.rows {
+                if *valid {
+                    let prev = out.insert(
+                        meta.blake3,
+                        (meta.source_path.clone(), meta.label, at.split),
+                    );
+                    assert!(prev.is_none(), "two valid rows for one content");
+                }
+            }
+            out
+        }
+    }
+
+    pub(crate) fn wave() -> Waveform {
+        Waveform::Pcm16(vec![0; 4])
+    }
+
+    pub(crate) fn read(rel: &str, bytes: &[u8]) -> Observation {
+        Observation::Loaded(Loaded {
+            rel: rel.into(),
+            seen: None,
+            load: Load::Read {
+                size: bytes.len() as u64,
+                mtime_ns: 1,
+                hash: identity::content_hash(bytes),
+                decoded: Ok(wave()),
+            },
+        })
+    }
+
+    fn gone(rel: &str) -> Observation {
+        Observation::Gone(rel.into())
+    }
+
+    fn h(bytes: &[u8]) -> Hash {
+        identity::content_hash(bytes)
+    }
+
+    struct World {
+        ledger: Ledger,
+        model: Model,
+    }
+
+    impl World {
+        fn new(mode: SplitMode) -> World {
+            let mut s = Settings::default();
+            s.splits.mode = mode;
+            s.splits.directories.insert("a".into(), "training".into());
+            s.splits.directories.insert("b".into(), "testing".into());
+            let labels = LabelSet::new(&s.labels.names, &[], s.labels.unknown);
+            World {
+                ledger: Ledger::new(&s, labels, [0; 3]),
+                model: Model::default(),
+            }
+        }
+        fn apply(&mut self, obs: Vec<Observation>) -> (Counts, Vec<Edit>, Vec<String>) {
+            let plan = self.ledger.decide(&self.model, obs).unwrap();
+            let out = (plan.counts, plan.edits.clone(), plan.reread.clone());
+            self.model.commit(plan, &self.ledger);
+            out
+        }
+        fn row_of(&self, bytes: &[u8]) -> Option<(String, i16, u8)> {
+            self.model.valid_rows().get(&h(bytes)).cloned()
+        }
+    }
+
+    const LEAK: i16 = 2;
+    const NORMAL: i16 = 3;
+
+    #[test]
+    fn the_smallest_path_owns_shared_bytes_and_hands_over_in_place() {
+        let mut w = World::new(SplitMode::Hash);
+        let (c, _, _) = w.apply(vec![read("NORMAL/x.wav", b"x")]);
+        assert_eq!(c.new_rows, 1);
+        // A copy under a smaller path takes the row over: label and path follow it, in place.
+        let (c, edits, _) = w.apply(vec![read("LEAK/copy.wav", b"x")]);
+        assert_eq!(c.new_rows, 0);
+        assert!(
+            matches!(&edits[..], [Edit::Owner { meta, .. }] if meta.source_path == "LEAK/copy.wav")
+        );
+        assert_eq!(w.row_of(b"x").unwrap().0, "LEAK/copy.wav");
+        assert_eq!(w.row_of(b"x").unwrap().1, LEAK);
+        // The copy goes: the row returns to the other path, same row.
+        w.apply(vec![gone("LEAK/copy.wav")]);
+        assert_eq!(w.row_of(b"x").unwrap().0, "NORMAL/x.wav");
+        assert_eq!(w.row_of(b"x").unwrap().1, NORMAL);
+        assert_eq!(w.model.rows.len(), 1, "no row was added");
+        // The last path goes: the row turns invalid; the bytes come back: valid again.
+        w.apply(vec![gone("NORMAL/x.wav")]);
+        assert_eq!(w.row_of(b"x"), None);
+        let (c, _, _) = w.apply(vec![read("NORMAL/y.wav", b"x")]);
+        assert_eq!((c.new_rows, w.model.rows.len()), (0, 1));
+        assert_eq!(w.row_of(b"x").unwrap().0, "NORMAL/y.wav");
+    }
+
+    #[test]
+    fn a_larger_copy_changes_nothing_in_the_row() {
+        let mut w = World::new(SplitMode::Hash);
+        w.apply(vec![read("LEAK/a.wav", b"x")]);
+        let (_, edits, _) = w.apply(vec![read("NORMAL/b.wav", b"x")]);
+        assert!(edits.is_empty(), "{edits:?}");
+        assert_eq!(
+            w.model.contents[&h(b"x")].paths,
+            ["LEAK/a.wav", "NORMAL/b.wav"]
+        );
+    }
+
+    #[test]
+    fn moves_of_files_and_folders_keep_the_row_and_update_path_and_label() {
+        let mut w = World::new(SplitMode::Hash);
+        w.apply(vec![read("LEAK/a.wav", b"a"), read("LEAK/sub/b.wav", b"b")]);
+        // A file moved: the old path goes, the new one arrives (same batch or not).
+        w.apply(vec![gone("LEAK/a.wav"), read("NORMAL/a.wav", b"a")]);
+        assert_eq!(
+            w.row_of(b"a").unwrap(),
+            ("NORMAL/a.wav".into(), NORMAL, w.row_of(b"a").unwrap().2)
+        );
+        // A label folder moved into another label.
+        w.apply(vec![Observation::FolderGone("LEAK".into())]);
+        assert_eq!(w.row_of(b"b"), None);
+        let (c, _, _) = w.apply(vec![read("NORMAL/LEAK_old/sub/b.wav", b"b")]);
+        assert_eq!(c.new_rows, 0);
+        assert_eq!(w.row_of(b"b").unwrap().0, "NORMAL/LEAK_old/sub/b.wav");
+        assert_eq!(w.row_of(b"b").unwrap().1, NORMAL);
+        assert_eq!(w.model.rows.len(), 2);
+        assert!(!w.model.files.contains_key("LEAK/sub/b.wav"));
+    }
+
+    #[test]
+    fn new_bytes_supersede_and_a_delete_invalidates() {
+        let mut w = World::new(SplitMode::Hash);
+        w.apply(vec![read("LEAK/a.wav", b"v1")]);
+        let (c, edits, _) = w.apply(vec![read("LEAK/a.wav", b"v2")]);
+        assert_eq!(c.new_rows, 1);
+        assert!(edits
+            .iter()
+            .any(|e| matches!(e, Edit::Valid { valid: false, .. })));
+        assert_eq!(w.row_of(b"v1"), None);
+        assert_eq!(w.row_of(b"v2").unwrap().0, "LEAK/a.wav");
+        w.apply(vec![gone("LEAK/a.wav")]);
+        assert!(w.model.valid_rows().is_empty());
+        assert_eq!(w.model.rows.len(), 2, "rows never disappear");
+    }
+
+    #[test]
+    fn unusable_files_are_quarantined_let_go_of_rows_and_are_retried() {
+        let mut w = World::new(SplitMode::Hash);
+        w.apply(vec![read("LEAK/a.wav", b"good")]);
+        let bad = Observation::Loaded(Loaded {
+            rel: "LEAK/a.wav".into(),
+            seen: None,
+            load: Load::Read {
+                size: 3,
+                mtime_ns: 2,
+                hash: h(b"bad"),
+                decoded: Err(Reason::Decode(DecodeError::NotWav)),
+            },
+        });
+        let (c, _, _) = w.apply(vec![bad]);
+        assert_eq!(c.quarantined, 1);
+        assert_eq!(w.row_of(b"good"), None, "the old row is superseded");
+        let rec = &w.model.files["LEAK/a.wav"];
+        assert_eq!(rec.quarantine.as_ref().unwrap().kind, "decode");
+        // Unknown label folder, no label folder, symbolic link: quarantined with the reason.
+        let (c, _, _) = w.apply(vec![
+            read("ELSEWHERE/b.wav", b"b"),
+            read("c.wav", b"c"),
+            Observation::Rejected {
+                rel: "LEAK/link.wav".into(),
+                reason: Reason::SymbolicLink,
+                size: 0,
+                mtime_ns: 0,
+            },
+        ]);
+        assert_eq!(c.quarantined, 3);
+        assert!(w.model.files["ELSEWHERE/b.wav"]
+            .quarantine
+            .as_ref()
+            .unwrap()
+            .text
+            .contains("not in labels.names"));
+        // Fixed bytes: ingested.
+        let (c, _, _) = w.apply(vec![read("LEAK/a.wav", b"fixed")]);
+        assert_eq!(c.new_rows, 1);
+        assert!(w.model.files["LEAK/a.wav"].quarantine.is_none());
+    }
+
+    #[test]
+    fn a_new_owner_in_another_split_retires_the_row_and_makes_one_there() {
+        let mut w = World::new(SplitMode::Directory);
+        w.apply(vec![read("b/LEAK/x.wav", b"x")]);
+        assert_eq!(w.row_of(b"x").unwrap().2, 2);
+        // A smaller path in the training folder: the row moves to training (recomputed from the
+        // wave read in this batch).
+        let (c, _, _) = w.apply(vec![read("a/LEAK/x.wav", b"x")]);
+        assert_eq!(c.new_rows, 1);
+        assert_eq!(w.row_of(b"x").unwrap(), ("a/LEAK/x.wav".into(), LEAK, 0));
+        // The owner goes: the next path is in testing, whose wave is not in the batch: reread.
+        let (_, _, reread) = w.apply(vec![gone("a/LEAK/x.wav")]);
+        assert_eq!(reread, ["b/LEAK/x.wav"]);
+        assert_eq!(w.row_of(b"x"), None);
+        let (c, _, _) = w.apply(vec![read("b/LEAK/x.wav", b"x")]);
+        assert_eq!(c.new_rows, 1);
+        assert_eq!(w.row_of(b"x").unwrap(), ("b/LEAK/x.wav".into(), LEAK, 2));
+        assert_eq!(w.model.rows.len(), 3);
+    }
+
+    #[test]
+    fn undecided_batches_are_seen_by_the_next_one_before_they_are_durable() {
+        let mut w = World::new(SplitMode::Hash);
+        let p1 = w
+            .ledger
+            .decide(&w.model, vec![read("LEAK/a.wav", b"a")])
+            .unwrap();
+        // Not committed yet: a copy in the next batch must share the row, not make another.
+        let p2 = w
+            .ledger
+            .decide(&w.model, vec![read("NORMAL/a.wav", b"a")])
+            .unwrap();
+        assert_eq!(p2.counts.new_rows, 0);
+        w.model.commit(p1, &w.ledger);
+        w.model.commit(p2, &w.ledger);
+        assert_eq!(w.model.contents[&h(b"a")].paths.len(), 2);
+        w.apply(vec![]);
+        assert!(w.ledger.files.len() <= 1, "durable entries leave the cache");
+    }
+}

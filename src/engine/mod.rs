@@ -1,0 +1,496 @@
+//! The ingest engine that `rebuild` and `run` both drive. A batch of inputs goes through four
+//! stages, each busy at once with bounded queues between them:
+//!
+//! 1. load ([`stages::load`]): read, hash and decode the complete files, on a worker pool
+//!    (the caller's thread waits for it, so the next batch loads while earlier ones go on);
+//! 2. decide ([`ledger`]): the rules turn the batch's observations into a [`ledger::Plan`];
+//! 3. featurise: a thread of its own turns the plan's recordings into rows, a batch at a time
+//!    (large in bulk, latency-bounded in the service);
+//! 4. commit ([`commit`]): a thread of its own appends, edits and records the plan.
+//!
+//! `rebuild` is "ingest every file of the tree into empty staging outputs, then swap";
+//! `run` is "ingest each micro-batch into the live outputs". Errors that stop the engine
+//! (outputs or manifest unwritable, the featuriser failing) come back from [`Engine::submit`]
+//! and [`Engine::wait`]; problems of one file are outcomes in the plan, never errors.
+
+pub mod commit;
+pub mod ledger;
+pub mod manifest;
+pub mod outcome;
+pub mod stages;
+
+use crate::config::{DeviceChoice, FeatureShape, Settings, SPLITS};
+use crate::features::cuda::DeviceTimes;
+use crate::features::{self, Featuriser};
+use crate::identity::LabelSet;
+use crate::output::set::OutputSet;
+use crate::output::OutputHeader;
+use anyhow::{bail, Context};
+use commit::{Committer, Featurised};
+use crossbeam_channel::{Receiver, Sender};
+use ledger::{Counts, Ledger, Plan};
+use manifest::Manifest;
+use outcome::{Observation, Reason};
+use rayon::prelude::*;
+use stages::StageTimes;
+use std::path::Path;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// What the engine is given.
+#[derive(Debug)]
+pub enum Input {
+    /// A complete file to load; `seen` is when it was seen complete (latency figures).
+    Load { rel: String, seen: Option<Instant> },
+    /// Something learnt without reading (gone, folder gone, rejected by the source).
+    Observe(Observation),
+}
+
+/// A batch made durable.
+#[derive(Debug, Default)]
+pub struct Done {
+    pub counts: Counts,
+    pub quarantined: Vec<(String, Reason)>,
+    /// Paths to load again (their bytes' row is made anew in another split).
+    pub reread: Vec<String>,
+    /// Completion-to-commit time of each file that got a row.
+    pub latencies: Vec<Duration>,
+    /// Rows per split after this batch.
+    pub rows: [u64; 3],
+}
+
+pub struct Engine {
+    settings: Settings,
+    shape: FeatureShape,
+    ledger: Ledger,
+    manifest: Arc<Manifest>,
+    pool: rayon::ThreadPool,
+    times: Arc<StageTimes>,
+    device: String,
+    to_featurise: Option<Sender<Plan>>,
+    done: Receiver<anyhow::Result<Done>>,
+    featurising: Option<JoinHandle<Option<DeviceTimes>>>,
+    writing: Option<JoinHandle<anyhow::Result<Committer>>>,
+    /// Batches submitted and not yet reported done.
+    in_flight: usize,
+}
+
+impl Engine {
+    /// The service's engine: the live outputs and manifest, opened for appending after a clean
+    /// stop or a crash alike (the caller holds the writer lock).
+    pub fn open_live(settings: &Settings, device: DeviceChoice) -> anyhow::Result<Engine> {
+        crate::staging::finish_pending(settings)?;
+        let manifest = Manifest::open(&crate::staging::manifest_dir(settings))?;
+        let fingerprint = settings.features.fingerprint();
+        let known_rows = manifest.rows()?;
+        let has_records = manifest.files().next().is_some() || known_rows.iter().any(|&r| r > 0);
+        if let Some(f) = manifest.get_meta("feature_fingerprint")? {
+            if f != fingerprint {
+                bail!(
+                    "the feature settings changed since the outputs in {} were written: `ailhd run` will not append rows of another kind. Run `ailhd rebuild` to regenerate them with the new settings",
+                    settings.paths.output.display()
+                );
+            }
+        }
+        let appended = manifest.appended_labels()?;
+        let labels = LabelSet::new(&settings.labels.names, &appended, settings.labels.unknown);
+        if let Some(stored) = manifest.get_meta("labels")? {
+            let stored: Vec<String> = serde_json::from_str(&stored).unwrap_or_default();
+            if labels.names.len() < stored.len() || labels.names[..stored.len()] != stored[..] {
+                bail!(
+                    "labels.names changed the ids of existing labels (outputs have {stored:?}, the configuration gives {:?}); ids are never renumbered: restore the order (new names go at the end) or run `ailhd rebuild`",
+                    labels.names
+                );
+            }
+        }
+        let header = OutputHeader {
+            labels: labels.names.clone(),
+            features: settings.features.clone(),
+            path_bytes: settings.outputs.path_bytes,
+        };
+        let out_dir = &settings.paths.output;
+        let mut outputs = if OutputSet::exists(out_dir, &settings.outputs) {
+            OutputSet::open_append(out_dir, &settings.outputs, &header, true, Some(known_rows))?
+        } else if has_records {
+            bail!(
+                "the manifest in {} lists ingested files but their outputs are missing from {}: run `ailhd rebuild`",
+                settings.paths.state.display(),
+                out_dir.display()
+            );
+        } else {
+            OutputSet::create(out_dir, &settings.outputs, &header, true)?
+        };
+        // open_append cut every split back to what the manifest accounts for; fewer rows than
+        // that means the outputs lost rows the manifest counts as ingested.
+        for (split, &known) in known_rows.iter().enumerate() {
+            let on_disk = outputs.committed_rows(split);
+            if known > on_disk {
+                bail!(
+                    "the manifest knows {known} {} rows but the outputs hold only {on_disk}: the outputs were changed behind ailhd's back. Run `ailhd rebuild`",
+                    SPLITS[split]
+                );
+            }
+        }
+        outputs.set_labels(&labels.names)?;
+        manifest.set_meta("feature_fingerprint", &fingerprint)?;
+        manifest.set_meta("labels", &serde_json::to_string(&labels.names)?)?;
+        manifest.flush()?;
+        let featuriser = features::build(&settings.features, device, settings.worker_threads())?;
+        Ok(Engine::start(
+            settings, labels, known_rows, manifest, outputs, featuriser, true,
+        ))
+    }
+
+    /// `rebuild`'s engine: empty outputs in `out_dir` and an empty manifest in `manifest_dir`
+    /// (staging, swapped in by the caller once [`Engine::finish`] returns).
+    pub fn open_bulk(
+        settings: &Settings,
+        featuriser: Box<dyn Featuriser>,
+        out_dir: &Path,
+        manifest_dir: &Path,
+        labels: LabelSet,
+    ) -> anyhow::Result<Engine> {
+        let header = OutputHeader {
+            labels: labels.names.clone(),
+            features: settings.features.clone(),
+            path_bytes: settings.outputs.path_bytes,
+        };
+        let outputs = OutputSet::create(out_dir, &settings.outputs, &header, false)?;
+        let manifest = Manifest::open(manifest_dir)?;
+        manifest.set_meta("feature_fingerprint", &settings.features.fingerprint())?;
+        let appended = &labels.names[settings.labels.names.len().min(labels.names.len())..];
+        manifest.set_meta("appended_labels", &serde_json::to_string(appended)?)?;
+        manifest.set_meta("labels", &serde_json::to_string(&labels.names)?)?;
+        Ok(Engine::start(
+            settings, labels, [0; 3], manifest, outputs, featuriser, false,
+        ))
+    }
+
+    fn start(
+        settings: &Settings,
+        labels: LabelSet,
+        rows: [u64; 3],
+        manifest: Manifest,
+        outputs: OutputSet,
+        mut featuriser: Box<dyn Featuriser>,
+        live: bool,
+    ) -> Engine {
+        let manifest = Arc::new(manifest);
+        let ledger = Ledger::new(settings, labels, rows);
+        let times = Arc::new(StageTimes::default());
+        let device = featuriser.name();
+        let shape = featuriser.shape();
+        let threads = settings.worker_threads();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("ailhd-load-{i}"))
+            .build()
+            .expect("worker threads start");
+        // One plan in each queue: enough to keep every stage busy, little memory held.
+        let (plan_tx, plan_rx) = crossbeam_channel::bounded::<Plan>(1);
+        let (feat_tx, feat_rx) = crossbeam_channel::bounded::<anyhow::Result<Featurised>>(1);
+        let (done_tx, done_rx) = crossbeam_channel::unbounded::<anyhow::Result<Done>>();
+        let features = settings.features.clone();
+        let featurising = {
+            let times = times.clone();
+            std::thread::Builder::new()
+                .name("ailhd-featurise".into())
+                .spawn(move || {
+                    for plan in plan_rx {
+                        let t = Instant::now();
+                        let f = featurise(featuriser.as_mut(), plan, &features);
+                        StageTimes::add(&times.featurise, t);
+                        if feat_tx.send(f).is_err() {
+                            break;
+                        }
+                    }
+                    featuriser.device_times()
+                })
+                .expect("featuriser thread starts")
+        };
+        let mut committer = Committer {
+            outputs,
+            manifest: manifest.clone(),
+            live,
+            path_bytes: settings.outputs.path_bytes,
+            committed: ledger.committed_handle(),
+            times: times.clone(),
+            configured_labels: settings.labels.names.len(),
+        };
+        let writing = std::thread::Builder::new()
+            .name("ailhd-commit".into())
+            .spawn(move || -> anyhow::Result<Committer> {
+                for f in feat_rx {
+                    let result = f.and_then(|f| {
+                        committer.commit(&f)?;
+                        Ok(done_of(f.plan))
+                    });
+                    let failed = result.is_err();
+                    if done_tx.send(result).is_err() || failed {
+                        break;
+                    }
+                }
+                Ok(committer)
+            })
+            .expect("commit thread starts");
+        Engine {
+            settings: settings.clone(),
+            shape,
+            ledger,
+            manifest,
+            pool,
+            times,
+            device,
+            to_featurise: Some(plan_tx),
+            done: done_rx,
+            featurising: Some(featurising),
+            writing: Some(writing),
+            in_flight: 0,
+        }
+    }
+
+    pub fn device(&self) -> &str {
+        &self.device
+    }
+
+    pub fn labels(&self) -> &[String] {
+        self.ledger.labels()
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    pub fn times(&self) -> &StageTimes {
+        &self.times
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Settings that may change while running (SIGHUP); the rest need a restart.
+    pub fn update_live_settings(&mut self, s: &Settings) {
+        self.settings.ingest = s.ingest.clone();
+    }
+
+    /// Load, decide and hand one batch on. Returns once the batch is queued for featurising
+    /// (waits while the queue is full).
+    pub fn submit(&mut self, inputs: Vec<Input>) -> anyhow::Result<()> {
+        if inputs.is_empty() {
+            return Ok(());
+        }
+        let root = self.settings.paths.recordings.clone();
+        let features = &self.settings.features;
+        let shape = &self.shape;
+        let times = &*self.times;
+        let observations: Vec<Observation> = self.pool.install(|| {
+            inputs
+                .into_par_iter()
+                .map(|input| match input {
+                    Input::Load { rel, seen } => {
+                        stages::load(&root, &rel, seen, features, shape, times)
+                    }
+                    Input::Observe(o) => o,
+                })
+                .collect()
+        });
+        let t = Instant::now();
+        let plan = self.ledger.decide(&*self.manifest, observations)?;
+        StageTimes::add(&self.times.decide, t);
+        let tx = self
+            .to_featurise
+            .as_ref()
+            .context("the engine is finished")?;
+        if tx.send(plan).is_err() {
+            bail!("the engine stopped: {}", self.stop_reason());
+        }
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// Batches made durable since the last call, without waiting. An error here stops the engine.
+    pub fn completed(&mut self) -> anyhow::Result<Vec<Done>> {
+        let mut out = Vec::new();
+        while let Ok(r) = self.done.try_recv() {
+            self.in_flight -= 1;
+            out.push(r?);
+        }
+        Ok(out)
+    }
+
+    /// Wait until every submitted batch is durable.
+    pub fn wait(&mut self) -> anyhow::Result<Vec<Done>> {
+        let mut out = Vec::new();
+        while self.in_flight > 0 {
+            match self.done.recv() {
+                Ok(r) => {
+                    self.in_flight -= 1;
+                    out.push(r?);
+                }
+                Err(_) => bail!("the engine stopped: {}", self.stop_reason()),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Wait for one batch to be durable, up to `timeout`.
+    pub fn wait_one(&mut self, timeout: Duration) -> anyhow::Result<Option<Done>> {
+        if self.in_flight == 0 {
+            return Ok(None);
+        }
+        match self.done.recv_timeout(timeout) {
+            Ok(r) => {
+                self.in_flight -= 1;
+                Ok(Some(r?))
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Ok(None),
+            Err(_) => bail!("the engine stopped: {}", self.stop_reason()),
+        }
+    }
+
+    fn stop_reason(&mut self) -> String {
+        match self.done.try_recv() {
+            Ok(Err(e)) => format!("{e:#}"),
+            _ => "a stage failed (see the log)".into(),
+        }
+    }
+
+    /// Drain, commit everything, close the outputs. Returns the GPU's stage times, if any.
+    pub fn finish(mut self) -> anyhow::Result<Option<DeviceTimes>> {
+        let waited = self.wait();
+        self.to_featurise = None;
+        let device_times = self
+            .featurising
+            .take()
+            .map(|h| h.join().expect("featuriser thread panicked"))
+            .unwrap_or_default();
+        let committer = self
+            .writing
+            .take()
+            .expect("not finished twice")
+            .join()
+            .expect("commit thread panicked");
+        waited?;
+        committer?.close()?;
+        Ok(device_times)
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.to_featurise = None;
+        if let Some(h) = self.featurising.take() {
+            let _ = h.join();
+        }
+        if let Some(h) = self.writing.take() {
+            if let Ok(Ok(c)) = h.join() {
+                if let Err(e) = c.close() {
+                    log::error!("closing the outputs: {e:#}");
+                }
+            }
+        }
+    }
+}
+
+fn featurise(
+    featuriser: &mut dyn Featuriser,
+    plan: Plan,
+    features: &crate::config::FeatureSettings,
+) -> anyhow::Result<Featurised> {
+    let mut mel: [Vec<half::f16>; 3] = Default::default();
+    let mut waveform: [Option<Vec<f32>>; 3] = Default::default();
+    for (split, rows) in plan.new_rows.iter().enumerate() {
+        if rows.is_empty() {
+            continue;
+        }
+        let waves: Vec<&crate::decode::Waveform> = rows.iter().map(|r| &r.wave).collect();
+        let (m, w) = stages::featurise_rows(featuriser, &waves, features)?;
+        mel[split] = m;
+        waveform[split] = w;
+    }
+    Ok(Featurised {
+        plan,
+        mel,
+        waveform,
+    })
+}
+
+fn done_of(plan: Plan) -> Done {
+    let now = Instant::now();
+    Done {
+        counts: plan.counts,
+        quarantined: plan.quarantined,
+        reread: plan.reread,
+        latencies: plan.seen.iter().map(|t| now.duration_since(*t)).collect(),
+        rows: plan.rows,
+    }
+}
+
+/// What the tree holds that the manifest does not know (or knows differently).
+#[derive(Debug, Default)]
+pub struct Reconciliation {
+    /// Recordings new or changed (size or mtime) since they were recorded: to settle.
+    pub changed: Vec<String>,
+    /// Recorded paths no longer in the tree.
+    pub removed: Vec<String>,
+    /// Rejected paths not yet recorded with that reason.
+    pub rejected: Vec<Observation>,
+}
+
+impl Engine {
+    /// Compare the tree with the manifest (start-up, lost events, the periodic safety rescan).
+    pub fn reconcile(&self) -> anyhow::Result<Reconciliation> {
+        let root = &self.settings.paths.recordings;
+        let mut r = Reconciliation::default();
+        let mut present = std::collections::HashSet::new();
+        for found in crate::source::scan(root)? {
+            let rec = self.manifest.get_file(found.rel())?;
+            match found {
+                crate::source::Found::Recording(rel) => {
+                    let Ok(meta) = std::fs::symlink_metadata(root.join(&rel)) else {
+                        continue;
+                    };
+                    let same = rec.is_some_and(|rec| {
+                        rec.size == meta.len() && rec.mtime_ns == stages::mtime_ns(&meta)
+                    });
+                    if !same {
+                        r.changed.push(rel.clone());
+                    }
+                    present.insert(rel);
+                }
+                crate::source::Found::Rejected { rel, reason } => {
+                    let known = rec
+                        .and_then(|rec| rec.quarantine)
+                        .is_some_and(|q| q.kind == reason.kind());
+                    if !known {
+                        r.rejected.push(Observation::Rejected {
+                            rel: rel.clone(),
+                            reason,
+                            size: 0,
+                            mtime_ns: 0,
+                        });
+                    }
+                    present.insert(rel);
+                }
+            }
+        }
+        for item in self.manifest.files() {
+            let (rel, _) = item?;
+            if !present.contains(&rel) {
+                r.removed.push(rel);
+            }
+        }
+        // A row waiting to be made anew (its owner was to be read again when we stopped).
+        for item in self.manifest.contents() {
+            let (_, c) = item?;
+            if let (None, Some(owner)) = (c.row, c.owner()) {
+                if present.contains(owner) && !r.changed.iter().any(|p| p == owner) {
+                    r.changed.push(owner.to_string());
+                }
+            }
+        }
+        Ok(r)
+    }
+}

@@ -1,0 +1,130 @@
+//! What the engine learns about a path, as types: an observation from the source (complete,
+//! gone, folder gone, rejected), what loading a complete file gave (vanished, unreadable, read
+//! with a decode result), and why a path is quarantined. Text is made from these only at the
+//! edge (logs, `status`, the manifest's stored reason).
+
+use crate::decode::{DecodeError, Waveform};
+use crate::engine::manifest::StoredReason;
+use crate::identity::{Hash, PlacementError};
+use std::time::Instant;
+
+/// One thing the engine is told about the tree, relative to `paths.recordings`.
+#[derive(Debug)]
+pub enum Observation {
+    /// A complete recording, loaded (or not: see [`Load`]).
+    Loaded(Loaded),
+    /// The path no longer holds a recording (deleted, moved away).
+    Gone(String),
+    /// A folder went away: everything recorded under it.
+    FolderGone(String),
+    /// The path is not usable as it is (not UTF-8, a symbolic link, never complete); size and
+    /// mtime say which state was judged (0 when unknown).
+    Rejected {
+        rel: String,
+        reason: Reason,
+        size: u64,
+        mtime_ns: i64,
+    },
+}
+
+impl Observation {
+    pub fn rel(&self) -> &str {
+        match self {
+            Observation::Loaded(l) => &l.rel,
+            Observation::Gone(r) | Observation::FolderGone(r) => r,
+            Observation::Rejected { rel, .. } => rel,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Loaded {
+    pub rel: String,
+    /// When the file was seen complete (the service's latency clock); None in bulk.
+    pub seen: Option<Instant>,
+    pub load: Load,
+}
+
+/// What reading a complete file gave.
+#[derive(Debug)]
+pub enum Load {
+    /// Gone before it was read: its removal is (or will be) observed too.
+    Vanished,
+    /// Opening or reading failed.
+    Unreadable(String),
+    /// Read and hashed; decoded, or why not.
+    Read {
+        size: u64,
+        mtime_ns: i64,
+        hash: Hash,
+        decoded: Result<Waveform, Reason>,
+    },
+}
+
+/// Why a path is quarantined.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reason {
+    NotUtf8,
+    SymbolicLink,
+    Unreadable(String),
+    /// The file grew or shrank while it was read.
+    ChangedWhileRead,
+    Decode(DecodeError),
+    Placement(PlacementError),
+    /// Still not complete `after_s` after its last change; `detail` is what the header said.
+    StillIncomplete {
+        after_s: u64,
+        detail: DecodeError,
+    },
+    /// Recorded by an older version of ailhd (text only).
+    Recorded(StoredReason),
+}
+
+impl Reason {
+    /// A stable name for the kind of problem (metrics labels, tests).
+    pub fn kind(&self) -> &str {
+        match self {
+            Reason::NotUtf8 => "not_utf8",
+            Reason::SymbolicLink => "symbolic_link",
+            Reason::Unreadable(_) => "unreadable",
+            Reason::ChangedWhileRead => "changed_while_read",
+            Reason::Decode(e) if e.is_incomplete() => "truncated",
+            Reason::Decode(_) => "decode",
+            Reason::Placement(_) => "placement",
+            Reason::StillIncomplete { .. } => "incomplete",
+            Reason::Recorded(r) => &r.kind,
+        }
+    }
+
+    pub fn stored(&self) -> StoredReason {
+        StoredReason {
+            kind: self.kind().to_string(),
+            text: self.to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Reason::NotUtf8 => write!(f, "path is not valid UTF-8"),
+            Reason::SymbolicLink => write!(
+                f,
+                "symbolic link: not followed (put the recording itself in the tree)"
+            ),
+            Reason::Unreadable(e) => write!(f, "cannot read: {e}"),
+            Reason::ChangedWhileRead => {
+                write!(f, "file changed while being read (still being written?)")
+            }
+            Reason::Decode(e) => write!(f, "{e}"),
+            Reason::Placement(e) => write!(f, "{e}"),
+            Reason::StillIncomplete { after_s, detail } => {
+                write!(
+                    f,
+                    "still incomplete {after_s} s after its last change: {detail}"
+                )
+            }
+            Reason::Recorded(r) => write!(f, "{}", r.text),
+        }
+    }
+}

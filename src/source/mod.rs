@@ -1,0 +1,256 @@
+//! Source: where recordings come from, and the one rule for what a recording is. A recording
+//! is a regular file named `*.wav` (any case) under `paths.recordings`, reached without
+//! following a symbolic link, whose path is valid UTF-8. A `*.wav` that is a symbolic link or
+//! whose path is not UTF-8 is *rejected* (quarantined with that reason), never skipped silently.
+//!
+//! [`scan`] lists the tree for `rebuild` and the service's reconcile; [`watch`] follows it with
+//! inotify; [`settle`] decides when a touched file is complete, from [`probe`], which reads the
+//! size and a bounded part of the header (never the whole file).
+
+pub mod settle;
+pub mod watch;
+
+use crate::decode::{self, DecodeError};
+use crate::engine::outcome::Reason;
+use settle::Probe;
+use std::fs::{File, FileType};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+/// What the source found at a path.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Found {
+    Recording(String),
+    /// A `*.wav` path that is not a recording; `rel` is lossy when the path is not UTF-8.
+    Rejected {
+        rel: String,
+        reason: Reason,
+    },
+}
+
+impl Found {
+    pub fn rel(&self) -> &str {
+        match self {
+            Found::Recording(r) | Found::Rejected { rel: r, .. } => r,
+        }
+    }
+}
+
+/// True for `*.wav`, any case, on the raw name bytes.
+pub fn is_wav_name(name: &[u8]) -> bool {
+    name.len() > 4 && name[name.len() - 4..].eq_ignore_ascii_case(b".wav")
+}
+
+/// The rule, for a path relative to the root and what `lstat` says of it. None: not ours (a
+/// folder, another kind of file, another name).
+pub fn classify(rel: &Path, file_type: FileType) -> Option<Found> {
+    let name = rel.file_name()?.as_encoded_bytes();
+    if !is_wav_name(name) {
+        return None;
+    }
+    let lossy = || rel.to_string_lossy().to_string();
+    if file_type.is_symlink() {
+        return Some(Found::Rejected {
+            rel: crate::identity::rel_string(rel).unwrap_or_else(|_| lossy()),
+            reason: Reason::SymbolicLink,
+        });
+    }
+    if !file_type.is_file() {
+        return None;
+    }
+    Some(match crate::identity::rel_string(rel) {
+        Ok(s) => Found::Recording(s),
+        Err(_) => Found::Rejected {
+            rel: lossy(),
+            reason: Reason::NotUtf8,
+        },
+    })
+}
+
+/// The rule applied to a path the watcher reported (None: gone again, or not ours).
+pub fn classify_path(root: &Path, rel: &Path) -> Option<Found> {
+    let meta = std::fs::symlink_metadata(root.join(rel)).ok()?;
+    classify(rel, meta.file_type())
+}
+
+/// Every recording (and rejected `*.wav`) under `root`, sorted by relative path.
+pub fn scan(root: &Path) -> anyhow::Result<Vec<Found>> {
+    anyhow::ensure!(
+        root.is_dir(),
+        "paths.recordings = {} is not a folder (set it in the configuration)",
+        root.display()
+    );
+    let mut found = Vec::new();
+    for entry in walkdir::WalkDir::new(root).follow_links(false) {
+        let entry = match entry {
+            Ok(e) => e,
+            Err(e) => {
+                log::warn!("scanning {}: {e}", root.display());
+                continue;
+            }
+        };
+        let rel = entry.path().strip_prefix(root).unwrap_or(entry.path());
+        if let Some(f) = classify(rel, entry.file_type()) {
+            found.push(f);
+        }
+    }
+    found.sort_unstable_by(|a, b| a.rel().cmp(b.rel()));
+    Ok(found)
+}
+
+/// Above this size only the header's parts are read.
+const WHOLE_READ: u64 = 64 << 10;
+
+/// What the settle stage needs to know about a file now: size, mtime, and whether its header
+/// agrees with the size. Reads the chunk headers, the fmt chunk and a few bytes around the end
+/// of the audio (what [`decode::parse_header`] looks at), not the audio. A file that cannot be
+/// opened or read is reported consistent: the engine reads it and quarantines it with the error.
+pub fn probe(root: &Path, rel: &Path) -> Probe {
+    let path = root.join(rel);
+    let file = match File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Probe::Missing,
+        Err(_) => {
+            return match std::fs::symlink_metadata(&path) {
+                Ok(meta) => Probe::Present {
+                    size: meta.len(),
+                    mtime: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
+                    header: Ok(()),
+                },
+                Err(_) => Probe::Missing,
+            }
+        }
+    };
+    let Ok(meta) = file.metadata() else {
+        return Probe::Missing;
+    };
+    Probe::Present {
+        size: meta.len(),
+        mtime: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
+        header: header_of(&file, meta.len()).unwrap_or(Ok(())),
+    }
+}
+
+/// The header's verdict for a file of `len` bytes, reading only what the parser looks at (the
+/// rest of a zero-filled buffer of the file's length stands in for the audio). Err: I/O failed.
+fn header_of(file: &File, len: u64) -> std::io::Result<Result<(), DecodeError>> {
+    if len > 1 << 30 {
+        return Ok(Ok(())); // not a clip: let the decoder say what it is
+    }
+    let mut buf = vec![0u8; len as usize];
+    let fill = |buf: &mut Vec<u8>, from: u64, n: u64| -> std::io::Result<()> {
+        let end = from.saturating_add(n).min(len);
+        if from < end {
+            file.read_exact_at(&mut buf[from as usize..end as usize], from)?;
+        }
+        Ok(())
+    };
+    if len <= WHOLE_READ {
+        fill(&mut buf, 0, len)?;
+        return Ok(decode::parse_header(&buf).map(drop));
+    }
+    fill(&mut buf, 0, 4096)?;
+    let mut pos = 12u64;
+    while pos + 8 <= len {
+        fill(&mut buf, pos, 8)?;
+        let at = pos as usize;
+        let id = [buf[at], buf[at + 1], buf[at + 2], buf[at + 3]];
+        let size = u64::from(u32::from_le_bytes([
+            buf[at + 4],
+            buf[at + 5],
+            buf[at + 6],
+            buf[at + 7],
+        ]));
+        let body = pos + 8;
+        if &id == b"fmt " {
+            fill(&mut buf, body, size.min(4096))?;
+        }
+        if &id == b"data" {
+            fill(&mut buf, body, 16)?;
+            let end = body + size;
+            fill(&mut buf, end.saturating_sub(1), 24)?;
+            break;
+        }
+        pos = body + size + (size & 1);
+    }
+    Ok(decode::parse_header(&buf).map(drop))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wav(data_len: u32, extra: &[u8]) -> Vec<u8> {
+        let mut v = Vec::new();
+        v.extend(b"RIFF");
+        v.extend((36 + data_len + extra.len() as u32).to_le_bytes());
+        v.extend(b"WAVEfmt ");
+        v.extend(16u32.to_le_bytes());
+        v.extend(1u16.to_le_bytes());
+        v.extend(1u16.to_le_bytes());
+        v.extend(4096u32.to_le_bytes());
+        v.extend(8192u32.to_le_bytes());
+        v.extend(2u16.to_le_bytes());
+        v.extend(16u16.to_le_bytes());
+        v.extend(b"data");
+        v.extend(data_len.to_le_bytes());
+        v.extend((0..data_len).map(|i| (i * 7) as u8));
+        v.extend(extra);
+        v
+    }
+
+    /// The bounded probe agrees with parsing the whole file, for every prefix of a long file
+    /// (a writer caught at any moment), with and without a trailing chunk.
+    #[test]
+    fn bounded_header_probe_agrees_with_the_whole_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.wav");
+        for extra in [&b""[..], &b"LIST\x04\x00\x00\x00abcd"[..]] {
+            let full = wav(81920, extra);
+            let cuts = (0..full.len())
+                .step_by(997)
+                .chain([full.len() - 1, full.len()]);
+            for cut in cuts {
+                std::fs::write(&path, &full[..cut]).unwrap();
+                let file = File::open(&path).unwrap();
+                let got = header_of(&file, cut as u64).unwrap();
+                let want = decode::parse_header(&full[..cut]).map(drop);
+                assert_eq!(got, want, "cut at {cut}");
+            }
+        }
+    }
+
+    #[test]
+    fn links_and_non_utf8_names_are_rejected_not_skipped() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::create_dir_all(root.join("LEAK")).unwrap();
+        std::fs::write(root.join("LEAK/a.wav"), b"x").unwrap();
+        std::fs::write(root.join("LEAK/notes.txt"), b"x").unwrap();
+        std::os::unix::fs::symlink(root.join("LEAK/a.wav"), root.join("LEAK/link.wav")).unwrap();
+        let odd = std::ffi::OsStr::from_bytes(b"LEAK/\xff.wav");
+        std::fs::write(root.join(odd), b"x").unwrap();
+        let found = scan(root).unwrap();
+        assert_eq!(found.len(), 3, "{found:?}");
+        assert_eq!(found[0], Found::Recording("LEAK/a.wav".into()));
+        assert!(found.contains(&Found::Rejected {
+            rel: "LEAK/link.wav".into(),
+            reason: Reason::SymbolicLink
+        }));
+        assert!(found.iter().any(|f| matches!(
+            f,
+            Found::Rejected {
+                reason: Reason::NotUtf8,
+                ..
+            }
+        )));
+        assert_eq!(
+            classify_path(root, Path::new("LEAK/link.wav")),
+            Some(Found::Rejected {
+                rel: "LEAK/link.wav".into(),
+                reason: Reason::SymbolicLink
+            })
+        );
+    }
+}
