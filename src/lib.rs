@@ -1,20 +1,22 @@
 //! ailhd: acoustic leak detection ingestion.
 //!
-//! A recording travels: watch -> identify (hash, manifest) -> decode -> featurise (cpu | cuda)
-//! -> write (hdf5 | npy) -> commit. One module per stage:
+//! A recording travels: source (scan | watch -> settle) -> engine [load (read, hash, decode) ->
+//! decide (the ledger's rules) -> featurise (cpu | cuda) -> commit (hdf5 + npy, then the
+//! manifest)]. `rebuild` and `run` are thin drivers of the same engine.
 //!
-//! - [`watch`]: inotify events under the tree; [`settle`]: when a touched file is complete;
-//! - [`config`]: settings and their validation (parsing only validates);
-//! - [`identity`]: content hash, label, split, file-name metadata;
-//! - [`manifest`]: the sled record of every file and row (the commit point);
+//! - [`source`]: what a recording is, [`source::scan`] of the tree, [`source::watch`]
+//!   (inotify), [`source::settle`] (when a touched file is complete);
+//! - [`engine`]: the stages and their threads; [`engine::ledger`] (the one place that decides
+//!   rows, ownership, moves and quarantine), [`engine::commit`] (the one commit protocol),
+//!   [`engine::manifest`] (sled, the commit point), [`engine::outcome`] (typed outcomes);
 //! - [`decode`]: WAV bytes -> mono waveform at the configured rate;
 //! - [`features`]: waveforms -> float16 dB mel rows ([`features::cpu`], [`features::cuda`]);
+//! - [`identity`]: content hash, label, split, file-name metadata;
 //! - [`output`]: rows -> per-split HDF5 files and npy memmaps;
-//! - [`pipeline`]: the stages from a path to a row, shared by the two drivers:
-//! - [`rebuild`] (bulk, swapped in by [`staging`]) and [`daemon`] (the service).
+//! - the commands: [`rebuild`] (bulk into staging, swapped in by [`staging`]) and [`daemon`]
+//!   (the service), [`status`], [`inspect`], [`demo`] with [`synth`], [`doctor`].
 //!
-//! Around them: [`lock`] (one writer), [`migrate`] (schema versions), [`status`], [`inspect`],
-//! [`demo`] with [`synth`] (synthetic recordings), [`doctor`], [`logging`].
+//! Around them: [`config`], [`lock`] (one writer), [`migrate`] (schema versions), [`logging`].
 pub mod config;
 pub mod daemon;
 pub mod decode;

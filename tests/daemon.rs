@@ -359,3 +359,89 @@ fn sigkill_at_random_instants_loses_and_duplicates_nothing() {
     svc.terminate();
     compare_with_rebuild(&world);
 }
+
+/// The rules of identity while the service runs (README, "Identity, labels, splits"), each
+/// checked against a rebuild of the same tree: shared bytes are owned by the smallest path and
+/// handed back when it goes; a label folder moved into another label keeps its rows with new
+/// paths and labels; symbolic links are not followed; a non-UTF-8 name and complete but
+/// unusable files are quarantined at once (here `quarantine_after_s` is 300 s), with the reason.
+#[test]
+fn shared_bytes_moves_links_and_unusable_files_follow_one_set_of_rules() {
+    let world = World::new(
+        "[ingest]\nsettle_ms = 100\nquarantine_after_s = 300\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n",
+    );
+    let rec = world.rec();
+    for (rel, fixture) in [
+        ("NORMAL/x.wav", "leak_pcm16"),
+        ("LEAK/y.wav", "tone_pcm16"),
+        ("LEAK/sub/z.wav", "chirp_pcm16"),
+    ] {
+        write_via_rename(&rec, rel, &fixture_bytes(fixture));
+    }
+    let svc = Service::start(&world);
+    svc.wait(&world, "3 files", |s| committed(s) == 3);
+    let conflicts = |s: &serde_json::Value| s["label_conflicts"].as_array().map_or(0, |a| a.len());
+
+    // A copy under a smaller path (LEAK/ < NORMAL/) takes the row over; it is a label conflict.
+    std::fs::copy(rec.join("NORMAL/x.wav"), rec.join("LEAK/copy.wav")).unwrap();
+    svc.wait(&world, "the copy", |s| {
+        committed(s) == 4 && conflicts(s) == 1
+    });
+    compare_with_rebuild(&world);
+    // The copy goes: the row is handed back to NORMAL/x.wav.
+    std::fs::remove_file(rec.join("LEAK/copy.wav")).unwrap();
+    svc.wait(&world, "the copy gone", |s| {
+        committed(s) == 3 && conflicts(s) == 0
+    });
+    compare_with_rebuild(&world);
+
+    // A label folder moved into another label.
+    let before = svc.wait(&world, "idle", |s| s["service"]["queue_depth"] == 0)["service"]
+        ["ingested"]
+        .as_u64()
+        .unwrap();
+    std::fs::rename(rec.join("LEAK"), rec.join("NORMAL/LEAK_old")).unwrap();
+    svc.wait(&world, "the moved folder", |s| {
+        s["service"]["ingested"].as_u64().unwrap() >= before + 2
+            && s["service"]["queue_depth"] == 0
+            && committed(s) == 3
+    });
+    compare_with_rebuild(&world);
+
+    // Links (to a file outside the tree, to one inside), a non-UTF-8 name, unusable files.
+    let outside = world.dir.path().join("outside.wav");
+    std::fs::write(&outside, fixture_bytes("tone_pcm16")).unwrap();
+    std::fs::create_dir_all(rec.join("LEAK")).unwrap();
+    std::os::unix::fs::symlink(&outside, rec.join("LEAK/link_out.wav")).unwrap();
+    std::os::unix::fs::symlink(rec.join("NORMAL/x.wav"), rec.join("LEAK/link_in.wav")).unwrap();
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let odd = std::ffi::OsStr::from_bytes(b"LEAK/\xff.wav");
+        std::fs::write(rec.join(odd), fixture_bytes("silence_pcm16")).unwrap();
+    }
+    std::fs::write(rec.join("LEAK/text.wav"), fixture_bytes("not_a_wav")).unwrap();
+    std::fs::write(rec.join("LEAK/alaw.wav"), fixture_bytes("alaw")).unwrap();
+    std::fs::write(rec.join("LEAK/empty.wav"), b"").unwrap();
+    let t = Instant::now();
+    let snap = svc.wait(&world, "six quarantined", |s| quarantined(s).len() == 6);
+    let waited = t.elapsed();
+    let q = quarantined(&snap);
+    for link in ["LEAK/link_out.wav", "LEAK/link_in.wav"] {
+        assert!(q[link].contains("symbolic link"), "{link}: {}", q[link]);
+    }
+    assert!(q.values().any(|r| r.contains("not valid UTF-8")), "{q:?}");
+    assert!(q["LEAK/text.wav"].contains("not a WAV"), "{q:?}");
+    assert!(q["LEAK/alaw.wav"].contains("A-law"), "{q:?}");
+    assert!(q["LEAK/empty.wav"].contains("empty"), "{q:?}");
+    assert!(
+        q.values().all(|r| !r.contains("still incomplete")),
+        "complete files are judged by what they are, not by time: {q:?}"
+    );
+    assert!(
+        waited < Duration::from_secs(30),
+        "took {waited:?}, not at once"
+    );
+    assert_eq!(committed(&snap), 3, "links add no rows");
+    compare_with_rebuild(&world);
+    svc.terminate();
+}

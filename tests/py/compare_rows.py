@@ -4,7 +4,9 @@ usage: compare_rows.py SPEC.json
 SPEC: {"daemon_out": dir, "rebuild_out": dir, "expect": {hex: [label ids allowed]}, "swmr": bool}
 - every dataset of every split has exactly committed_rows rows (the service is stopped or idle);
 - the valid rows hold each expected hash exactly once, with an allowed label, and nothing else;
-- each valid row's features are byte-identical to the rebuild's row for the same hash;
+- each valid row equals the rebuild's row for the same hash in every column (features byte for
+  byte, split, label, source_path, sensor_id, recording_id, recorded_at, gain_db): run and
+  rebuild agree whatever the order in which files arrived;
 - the npy columns equal the HDF5 columns.
 """
 import json
@@ -29,7 +31,8 @@ def rows(out, check_npy):
                 if d != "committed_rows":
                     assert f[d].shape[0] == c, f"{out}/{name}:{d} has {f[d].shape[0]} rows, committed {c}"
             mel = f["segments_mel"][...]
-            cols = {k: f[k][...] for k in ("blake3", "valid", "labels", "source_path")}
+            keys = ("blake3", "valid", "labels", "source_path", "sensor_id", "recording_id", "recorded_at", "gain_db")
+            cols = {k: f[k][...] for k in keys}
         if check_npy:
             for col, arr in [("segments_mel", mel)] + list(cols.items()):
                 m = np.load(os.path.join(out, "npy", split, col + ".npy"), mmap_mode="r")
@@ -39,7 +42,18 @@ def rows(out, check_npy):
             h = bytes(cols["blake3"][i]).hex()
             if cols["valid"][i]:
                 valid_hashes.append(h)
-                res[h] = (int(cols["labels"][i]), mel[i].tobytes(), cols["source_path"][i].decode())
+                res[h] = (
+                    int(cols["labels"][i]),
+                    mel[i].tobytes(),
+                    cols["source_path"][i].decode(),
+                    {
+                        "split": split,
+                        "sensor_id": bytes(cols["sensor_id"][i]),
+                        "recording_id": bytes(cols["recording_id"][i]),
+                        "recorded_at": int(cols["recorded_at"][i]),
+                        "gain_db": np.asarray(cols["gain_db"][i]).tobytes(),
+                    },
+                )
     return res, valid_hashes
 
 
@@ -56,4 +70,7 @@ for h, allowed in expect.items():
     assert d[h][0] in allowed, f"{d[h][2]}: label {d[h][0]} not in {allowed}"
     assert h in r, f"{d[h][2]}: rebuild has no row for it"
     assert d[h][1] == r[h][1], f"{d[h][2]}: features differ from rebuild"
-print(f"ok: {len(d)} valid rows, each once, byte-identical to rebuild")
+    assert d[h][0] == r[h][0], f"{d[h][2]}: label {d[h][0]}, rebuild says {r[h][0]} ({r[h][2]})"
+    assert d[h][2] == r[h][2], f"source_path {d[h][2]}, rebuild says {r[h][2]}"
+    assert d[h][3] == r[h][3], f"{d[h][2]}: columns {d[h][3]} != rebuild {r[h][3]}"
+print(f"ok: {len(d)} valid rows, each once, equal to rebuild's in every column")
