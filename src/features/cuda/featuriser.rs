@@ -1,0 +1,366 @@
+//! The CUDA featuriser: built once (context, kernels, FFT plan, every buffer), checked against the
+//! float64 reference before anyone relies on it, then kept warm; `featurise` hands batches to
+//! the chunk pipeline (`pipeline.rs`).
+
+use super::compile::load_kernels;
+use super::libraries::{guarded, panic_message, probe_libraries, LibraryStatus};
+use super::parity;
+use super::pipeline::{FftBuffers, InputPath, Kernels, Slot};
+use super::tables::{chunk_files_for, device_bytes, Geometry, KernelTables};
+use super::{BLOCK_THREADS, PLAN_FILES};
+use crate::config::{FeatureSettings, FeatureShape};
+use crate::decode::Waveform;
+use crate::features::{mel, reference, Featuriser, Precision};
+use anyhow::{anyhow, bail, ensure, Context};
+use cudarc::cufft::{self, CudaFft};
+use cudarc::driver::{sys as dsys, CudaContext, CudaSlice, CudaStream, LaunchConfig};
+use half::f16;
+use serde::Serialize;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+/// Featurises on one NVIDIA GPU (ordinal 0). Built once, then kept warm.
+pub struct CudaFeaturiser {
+    pub(super) shape: FeatureShape,
+    pub(super) geometry: Geometry,
+    /// "cuda:<gpu name>".
+    pub(super) name: String,
+    /// Recordings per chunk (see [`chunk_files_for`]); bigger batches are pipelined chunk by chunk.
+    pub(super) chunk_files: usize,
+    /// Caps the grid of the grid-stride kernels.
+    pub(super) sm_count: u32,
+    pub(super) kernels: Kernels,
+    /// One batched R2C or D2Z plan for [`PLAN_FILES`] recordings (fewer when a chunk is
+    /// smaller), run group by group over a chunk. Made in `new`; `None` only while dropping.
+    pub(super) plan: Option<CudaFft>,
+    /// Recordings the plan transforms per execution.
+    pub(super) plan_files: usize,
+    pub(super) fft: FftBuffers,
+    pub(super) mel_start: CudaSlice<i32>,
+    pub(super) mel_offset: CudaSlice<i32>,
+    pub(super) mel_weights: CudaSlice<f32>,
+    /// Scratch of the compute stream, shared by both slots (kernels run one chunk at a time).
+    pub(super) mel_db: CudaSlice<f32>,
+    pub(super) slots: [Slot; 2],
+    pub(super) compute: Arc<CudaStream>,
+    pub(super) upload: Arc<CudaStream>,
+    pub(super) download: Arc<CudaStream>,
+    pub(super) ctx: Arc<CudaContext>,
+    /// Set when cudarc panicked mid-batch: the device state is unknown, so refuse further work.
+    pub(super) poisoned: Option<String>,
+    pub(super) times: DeviceTimes,
+}
+
+/// Where a chunk's time goes, summed over chunks (seconds): the host copying recordings into
+/// pinned staging; the upload (host to device); the kernels and FFT; the download of the rows
+/// (from the last kernel's end, so it includes any wait for the download stream).
+#[derive(Debug, Default, Clone, Copy, Serialize)]
+pub struct DeviceTimes {
+    pub stage: f64,
+    pub upload: f64,
+    pub compute: f64,
+    pub download: f64,
+    pub chunks: u64,
+    /// Building the featuriser: context, NVRTC, plans, buffers and the self-check.
+    pub start: f64,
+}
+
+impl CudaFeaturiser {
+    /// Build the featuriser on GPU 0: probe the libraries, compile the kernels, plan the FFTs,
+    /// allocate every buffer, then check a few recordings against the CPU featuriser. Any failure
+    /// (no driver, no GPU, NVRTC or cuFFT missing, out of memory, a mismatch) is an error that
+    /// says what went wrong; it never panics.
+    pub fn new(settings: &FeatureSettings) -> anyhow::Result<Self> {
+        let started = std::time::Instant::now();
+        let tables = KernelTables::new(settings)?;
+        let missing: Vec<String> = probe_libraries()
+            .iter()
+            .filter(|l| l.loaded.is_none())
+            .map(LibraryStatus::missing_reason)
+            .collect();
+        if !missing.is_empty() {
+            bail!("{}", missing.join("; "));
+        }
+        let mut featuriser = guarded(|| Self::build(settings, &tables))?;
+        let built = started.elapsed().as_secs_f64();
+        featuriser
+            .self_check(settings)
+            .context("GPU start-up self-check")?;
+        featuriser.times = DeviceTimes {
+            start: started.elapsed().as_secs_f64(),
+            ..DeviceTimes::default()
+        };
+        log::info!(
+            "CUDA featuriser ready on {} ({} recordings per chunk, {:?} FFT) in {:.2} s ({:.2} s to build, the rest self-check)",
+            featuriser.name,
+            featuriser.chunk_files,
+            featuriser.geometry_precision(),
+            featuriser.times.start,
+            built
+        );
+        Ok(featuriser)
+    }
+
+    fn build(settings: &FeatureSettings, tables: &KernelTables) -> anyhow::Result<Self> {
+        let count = CudaContext::device_count().context("initialising the CUDA driver (cuInit)")?;
+        ensure!(count > 0, "the CUDA driver reports no GPU");
+        let ctx = CudaContext::new(0).context("could not open GPU 0")?;
+        let gpu = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let sm_count = ctx
+            .attribute(dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            .max(1) as u32;
+        let (module, target) = load_kernels(&ctx)?;
+        log::debug!("CUDA kernels built for {target} on {gpu}");
+        let suffix = match tables.precision {
+            Precision::F32 => "f32",
+            Precision::F64 => "f64",
+        };
+        let kernels = Kernels {
+            frame_pcm16: module.load_function(&format!("frame_pcm16_{suffix}"))?,
+            frame_f32: module.load_function(&format!("frame_f32_{suffix}"))?,
+            power_mel_db: module.load_function(&format!("power_mel_db_{suffix}"))?,
+            finalize_rows: module.load_function("finalize_rows")?,
+        };
+        // Three streams: uploads, kernels and downloads of different chunks overlap. cudarc
+        // orders work on device buffers across streams with events it records per buffer.
+        let compute = ctx.new_stream()?;
+        let upload = ctx.new_stream()?;
+        let download = ctx.new_stream()?;
+
+        let g = tables.geometry;
+        let precision = tables.precision;
+        let mut chunk_files = chunk_files_for(&g);
+        let (free, _total) = ctx.mem_get_info()?;
+        // Leave room for cuFFT's work areas and other processes: use at most half of what is free.
+        while chunk_files > 1 && device_bytes(&g, precision, chunk_files) > free / 2 {
+            chunk_files /= 2;
+        }
+        ensure!(
+            device_bytes(&g, precision, chunk_files) <= free,
+            "not enough GPU memory: {} MiB free, one recording needs {} MiB",
+            free >> 20,
+            device_bytes(&g, precision, 1) >> 20
+        );
+        let plan_files = PLAN_FILES.min(chunk_files);
+
+        let mut weights = tables.mel_weights.clone();
+        if weights.is_empty() {
+            weights.push(0.0); // a zero-length allocation is an error in CUDA
+        }
+        let mel_start = compute.clone_htod(&tables.mel_start)?;
+        let mel_offset = compute.clone_htod(&tables.mel_offset)?;
+        let mel_weights = compute.clone_htod(&weights)?;
+
+        let frames_cap = chunk_files * g.frames_per_file as usize;
+        let (frames_len, bins_len) = (
+            frames_cap * g.n_fft as usize,
+            frames_cap * g.n_freqs as usize,
+        );
+        let fft = match precision {
+            Precision::F32 => FftBuffers::F32 {
+                window: compute.clone_htod(&tables.window)?,
+                frames: compute.alloc_zeros::<f32>(frames_len)?,
+                spectrum: compute.alloc_zeros::<cufft::sys::float2>(bins_len)?,
+            },
+            Precision::F64 => FftBuffers::F64 {
+                window: compute.clone_htod(&tables.window_f64)?,
+                frames: compute.alloc_zeros::<f64>(frames_len)?,
+                spectrum: compute.alloc_zeros::<cufft::sys::double2>(bins_len)?,
+            },
+        };
+        let mel_db = compute.alloc_zeros::<f32>(chunk_files * g.row_len as usize)?;
+
+        let samples_cap = chunk_files * g.num_samples as usize;
+        let rows_cap = chunk_files * g.row_len as usize;
+        let make_slot = || -> anyhow::Result<Slot> {
+            // SAFETY (alloc_pinned*): the memory is uninitialised; it is zeroed at once.
+            // Write-combined for the input: the host only writes it, sequentially, and the
+            // device reads it faster. Plain pinned for the rows, which the host reads.
+            let mut pcm_host = unsafe { ctx.alloc_pinned::<i16>(samples_cap) }?;
+            pcm_host.as_mut_slice()?.fill(0);
+            let mut rows_host = unsafe { ctx.alloc_pinned_with_flags::<u16>(rows_cap, 0) }?;
+            rows_host.as_mut_slice()?.fill(0);
+            let blocking = Some(dsys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
+            Ok(Slot {
+                pcm_host,
+                pcm_dev: compute.alloc_zeros::<i16>(samples_cap)?,
+                float_host: None,
+                float_dev: None,
+                rows_dev: compute.alloc_zeros::<u16>(rows_cap)?,
+                rows_host,
+                uploaded: ctx.new_event(blocking)?,
+                upload_start: ctx.new_event(None)?,
+                compute_start: ctx.new_event(None)?,
+                compute_end: ctx.new_event(None)?,
+                downloaded: ctx.new_event(blocking)?,
+                files: 0,
+                path: InputPath::Pcm16,
+            })
+        };
+        let slots = [make_slot()?, make_slot()?];
+
+        let batch = i32::try_from(plan_files * g.frames_per_file as usize)
+            .context("FFT batch too large")?;
+        let kind = match precision {
+            Precision::F32 => cufft::sys::cufftType::CUFFT_R2C,
+            Precision::F64 => cufft::sys::cufftType::CUFFT_D2Z,
+        };
+        let plan = CudaFft::plan_1d(g.n_fft, kind, batch, compute.clone()).map_err(|e| {
+            anyhow!(
+                "cuFFT could not plan {batch} {kind:?} transforms of {}: {e}",
+                g.n_fft
+            )
+        })?;
+        compute.synchronize()?;
+
+        Ok(CudaFeaturiser {
+            shape: settings.shape(),
+            geometry: g,
+            name: format!("cuda:{gpu}"),
+            chunk_files,
+            sm_count,
+            kernels,
+            plan: Some(plan),
+            plan_files,
+            fft,
+            mel_start,
+            mel_offset,
+            mel_weights,
+            mel_db,
+            slots,
+            compute,
+            upload,
+            download,
+            ctx,
+            poisoned: None,
+            times: DeviceTimes::default(),
+        })
+    }
+
+    /// Before anyone relies on it: silence must give exactly the log floor everywhere, and a few
+    /// synthetic recordings (both input paths, tones among them) must meet the contract's
+    /// accuracy rule against the float64 reference ([`reference::row`]), at 1x its tolerance.
+    /// This runs every kernel and resolves every library symbol once, so a broken install fails
+    /// here, where `features::build` can still fall back to the CPU, not in the middle of a run.
+    fn self_check(&mut self, settings: &FeatureSettings) -> anyhow::Result<()> {
+        let row_len = self.shape.row_len();
+        let silence = Waveform::Pcm16(vec![0; self.shape.num_samples]);
+        let mut rows = vec![f16::ZERO; row_len];
+        self.featurise(&[&silence], &mut rows)?;
+        let floor = f16::from_f32(-10.0 * self.geometry.db_multiplier);
+        if let Some(i) = rows.iter().position(|&v| v != floor) {
+            bail!(
+                "silence gave {} at value {i}, expected the log floor {floor}",
+                rows[i]
+            );
+        }
+
+        let recordings = parity::synthetic_recordings(settings);
+        let batch: Vec<&Waveform> = recordings.iter().map(|(_, w)| w).collect();
+        let mut gpu = vec![f16::ZERO; batch.len() * row_len];
+        self.featurise(&batch, &mut gpu)?;
+        for (i, (name, wav)) in recordings.iter().enumerate() {
+            let exact = reference::row(wav, settings);
+            let accuracy = mel::check_accuracy(&exact, &gpu[i * row_len..(i + 1) * row_len]);
+            if accuracy.violations > 0 {
+                bail!(
+                    "the GPU's rows break the accuracy rule on the synthetic recording \"{name}\": {}",
+                    parity::summary(&accuracy)
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn geometry_precision(&self) -> Precision {
+        match self.fft {
+            FftBuffers::F32 { .. } => Precision::F32,
+            FftBuffers::F64 { .. } => Precision::F64,
+        }
+    }
+
+    /// Device times so far (see [`DeviceTimes`]).
+    pub fn device_times(&self) -> DeviceTimes {
+        self.times
+    }
+
+    /// Recordings per chunk (the device buffers hold this many; bigger batches are pipelined).
+    pub fn chunk_files(&self) -> usize {
+        self.chunk_files
+    }
+
+    pub(super) fn grid(&self, total: usize) -> LaunchConfig {
+        let blocks = total
+            .div_ceil(BLOCK_THREADS as usize)
+            .clamp(1, self.sm_count as usize * 16) as u32;
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (BLOCK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+impl Featuriser for CudaFeaturiser {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn device_times(&self) -> Option<DeviceTimes> {
+        Some(self.times)
+    }
+
+    fn shape(&self) -> FeatureShape {
+        self.shape
+    }
+
+    fn featurise(&mut self, batch: &[&Waveform], out: &mut [f16]) -> anyhow::Result<()> {
+        if let Some(why) = &self.poisoned {
+            bail!("the CUDA featuriser is disabled after an earlier failure ({why})");
+        }
+        let row_len = self.shape.row_len();
+        ensure!(
+            out.len() == batch.len() * row_len,
+            "output holds {} values, {} recordings need {}",
+            out.len(),
+            batch.len(),
+            batch.len() * row_len
+        );
+        for (i, w) in batch.iter().enumerate() {
+            ensure!(
+                w.len() == self.shape.num_samples,
+                "recording {i} of the batch has {} samples, expected {} (decode pads or trims)",
+                w.len(),
+                self.shape.num_samples
+            );
+        }
+        match catch_unwind(AssertUnwindSafe(|| self.run_batch(batch, out))) {
+            Ok(result) => result,
+            Err(payload) => {
+                let why = format!("cudarc panicked: {}", panic_message(&*payload));
+                self.poisoned = Some(why.clone());
+                bail!("CUDA featuriser failed: {why}")
+            }
+        }
+    }
+}
+
+impl Drop for CudaFeaturiser {
+    fn drop(&mut self) {
+        let t = self.times;
+        if t.chunks > 0 {
+            log::info!(
+                "GPU featuriser, {} chunks: staging {:.3} s, upload {:.3} s, kernels and FFT {:.3} s, download {:.3} s (start-up {:.2} s)",
+                t.chunks, t.stage, t.upload, t.compute, t.download, t.start
+            );
+        }
+        // Copies may still be in flight after an error; the pinned buffers must outlive them.
+        let healthy = self.ctx.synchronize().is_ok() && self.poisoned.is_none();
+        if !healthy {
+            // cudarc's CudaFft unwraps cufftDestroy in its Drop; on a failed context that would
+            // panic (and abort during unwinding). Leaking a plan of a dead context costs nothing.
+            if let Some(plan) = self.plan.take() {
+                std::mem::forget(plan);
+            }
+        }
+    }
+}

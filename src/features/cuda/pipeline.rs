@@ -1,0 +1,291 @@
+//! The per-chunk work on the device: staging buffers and streams ([`Slot`]), the host copy into
+//! pinned memory, the asynchronous upload, the kernels and FFT, the download, and collecting the
+//! rows; a batch larger than one chunk is pipelined over the slots.
+
+use super::featuriser::CudaFeaturiser;
+use super::FINALIZE_THREADS;
+use crate::decode::Waveform;
+use anyhow::{anyhow, Context};
+use cudarc::cufft;
+use cudarc::driver::{
+    CudaEvent, CudaFunction, CudaSlice, LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
+use half::f16;
+use rayon::prelude::*;
+
+/// Which kernel 1 a staged chunk needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum InputPath {
+    /// Every recording in the chunk is int16: upload int16 (half the bytes of float).
+    Pcm16,
+    /// At least one float recording: upload the whole chunk as float (int16 converts exactly).
+    Float,
+}
+
+/// Staging for one in-flight chunk. There are two, so chunk k+1 is staged and uploaded while
+/// chunk k computes.
+pub(super) struct Slot {
+    pub(super) pcm_host: PinnedHostSlice<i16>,
+    pub(super) pcm_dev: CudaSlice<i16>,
+    /// Float path buffers, made the first time this slot stages a float recording (for slot 0,
+    /// that is the start-up self-check): these are twice the size of the int16 ones, and slot 1's
+    /// are only needed by hosts that see float recordings in big batches.
+    pub(super) float_host: Option<PinnedHostSlice<f32>>,
+    pub(super) float_dev: Option<CudaSlice<f32>>,
+    pub(super) rows_dev: CudaSlice<u16>,
+    pub(super) rows_host: PinnedHostSlice<u16>,
+    /// Recorded after the upload from `*_host`: the host waits on it before restaging. (cudarc
+    /// tracks device buffers itself, but not plain slices of pinned memory, which is what we copy
+    /// so that a partial chunk transfers only its own bytes.)
+    pub(super) uploaded: CudaEvent,
+    /// Timing marks (see [`DeviceTimes`]): before the upload, when the kernels may start (the
+    /// upload is done), after the last kernel.
+    pub(super) upload_start: CudaEvent,
+    pub(super) compute_start: CudaEvent,
+    pub(super) compute_end: CudaEvent,
+    /// Recorded after the download into `rows_host`: the host waits on it before reading.
+    pub(super) downloaded: CudaEvent,
+    pub(super) files: usize,
+    pub(super) path: InputPath,
+}
+
+/// The kernels of one precision (`frame_pcm16_f64` etc. for [`Precision::F64`]).
+pub(super) struct Kernels {
+    pub(super) frame_pcm16: CudaFunction,
+    pub(super) frame_f32: CudaFunction,
+    pub(super) power_mel_db: CudaFunction,
+    pub(super) finalize_rows: CudaFunction,
+}
+
+/// The FFT stage's buffers in the precision the accuracy rule needs: the window, one chunk's
+/// frames and their spectra (scratch of the compute stream, shared by both slots).
+pub(super) enum FftBuffers {
+    F32 {
+        window: CudaSlice<f32>,
+        frames: CudaSlice<f32>,
+        spectrum: CudaSlice<cufft::sys::float2>,
+    },
+    F64 {
+        window: CudaSlice<f64>,
+        frames: CudaSlice<f64>,
+        spectrum: CudaSlice<cufft::sys::double2>,
+    },
+}
+
+impl CudaFeaturiser {
+    /// Host: copy `files` into slot `s`'s pinned staging (in parallel: at 80 KB a recording this
+    /// copy, not the GPU, is the slowest step of a chunk); then queue the upload.
+    pub(super) fn stage(&mut self, s: usize, files: &[&Waveform]) -> anyhow::Result<()> {
+        let n = self.shape.num_samples;
+        let cap = self.chunk_files * n;
+        let slot = &mut self.slots[s];
+        // The previous upload from this staging must be finished before we overwrite it.
+        slot.uploaded.synchronize()?;
+        let staging_started = std::time::Instant::now();
+        slot.files = files.len();
+        slot.path = if files.iter().all(|w| matches!(w, Waveform::Pcm16(_))) {
+            InputPath::Pcm16
+        } else {
+            InputPath::Float
+        };
+        match slot.path {
+            InputPath::Pcm16 => {
+                let host = slot.pcm_host.as_mut_slice()?;
+                host[..files.len() * n]
+                    .par_chunks_mut(n)
+                    .zip(files.par_iter())
+                    .for_each(|(dst, w)| {
+                        if let Waveform::Pcm16(v) = w {
+                            dst.copy_from_slice(v);
+                        }
+                    });
+                self.times.stage += staging_started.elapsed().as_secs_f64();
+                slot.upload_start.record(&self.upload)?;
+                self.upload
+                    .memcpy_htod(&host[..files.len() * n], &mut slot.pcm_dev)?;
+            }
+            InputPath::Float => {
+                if slot.float_host.is_none() {
+                    // SAFETY: uninitialised pinned memory, zeroed at once.
+                    let mut host = unsafe { self.ctx.alloc_pinned::<f32>(cap) }?;
+                    host.as_mut_slice()?.fill(0.0);
+                    slot.float_dev = Some(self.compute.alloc_zeros::<f32>(cap)?);
+                    slot.float_host = Some(host);
+                }
+                let (Some(host), Some(dev)) = (slot.float_host.as_mut(), slot.float_dev.as_mut())
+                else {
+                    unreachable!("float staging was just made");
+                };
+                let host = host.as_mut_slice()?;
+                // int16 -> float is exact (a power-of-two scale), as in Waveform::sample.
+                host[..files.len() * n]
+                    .par_chunks_mut(n)
+                    .zip(files.par_iter())
+                    .for_each(|(dst, w)| w.copy_to_f32(0, dst));
+                self.times.stage += staging_started.elapsed().as_secs_f64();
+                slot.upload_start.record(&self.upload)?;
+                self.upload.memcpy_htod(&host[..files.len() * n], dev)?;
+            }
+        }
+        slot.uploaded.record(&self.upload)?;
+        Ok(())
+    }
+
+    /// Device: kernels and FFT for the chunk staged in slot `s`, then queue the download.
+    pub(super) fn compute_and_download(&mut self, s: usize) -> anyhow::Result<()> {
+        let g = self.geometry;
+        let files = self.slots[s].files;
+        let n = files as i32;
+        let frames = files * g.frames_per_file as usize;
+
+        let slot = &self.slots[s];
+        // Explicitly after the upload (cudarc would also order the kernels after it), so that
+        // compute_start marks when the kernels can run.
+        self.compute.wait(&slot.uploaded)?;
+        slot.compute_start.record(&self.compute)?;
+        let cfg = self.grid(frames * g.n_fft as usize);
+        let (function, what) = match slot.path {
+            InputPath::Pcm16 => (&self.kernels.frame_pcm16, "frame_pcm16"),
+            InputPath::Float => (&self.kernels.frame_f32, "frame_f32"),
+        };
+        let mut launch = self.compute.launch_builder(function);
+        launch.arg(&g);
+        match slot.path {
+            InputPath::Pcm16 => launch.arg(&slot.pcm_dev),
+            InputPath::Float => launch.arg(slot.float_dev.as_ref().expect("staged as float")),
+        };
+        match &mut self.fft {
+            FftBuffers::F32 { window, frames, .. } => launch.arg(&*window).arg(frames),
+            FftBuffers::F64 { window, frames, .. } => launch.arg(&*window).arg(frames),
+        };
+        launch.arg(&n);
+        // SAFETY: arguments match `frame_<input>_<precision>(Geometry, const <input>*, const
+        // <real>*, <real>*, int)`; the buffers hold chunk_files recordings >= n.
+        unsafe { launch.launch(cfg) }.with_context(|| format!("launching {what}"))?;
+
+        // One plan, group by group (see PLAN_FILES). The last group's frames beyond `frames` are
+        // stale; their spectra are never read.
+        let plan = self.plan.as_ref().expect("plan lives until drop");
+        let group_frames = self.plan_files * g.frames_per_file as usize;
+        let (real_len, bins_len) = (
+            group_frames * g.n_fft as usize,
+            group_frames * g.n_freqs as usize,
+        );
+        for group in 0..files.div_ceil(self.plan_files) {
+            let (r, b) = (group * real_len, group * bins_len);
+            match &mut self.fft {
+                FftBuffers::F32 {
+                    frames, spectrum, ..
+                } => plan
+                    .exec_r2c(
+                        &frames.slice(r..r + real_len),
+                        &mut spectrum.slice_mut(b..b + bins_len),
+                    )
+                    .map_err(|e| anyhow!("cuFFT R2C failed: {e}"))?,
+                FftBuffers::F64 {
+                    frames, spectrum, ..
+                } => plan
+                    .exec_d2z(
+                        &frames.slice(r..r + real_len),
+                        &mut spectrum.slice_mut(b..b + bins_len),
+                    )
+                    .map_err(|e| anyhow!("cuFFT D2Z failed: {e}"))?,
+            }
+        }
+
+        let cfg = self.grid(frames * g.n_mels as usize);
+        let mut launch = self.compute.launch_builder(&self.kernels.power_mel_db);
+        launch.arg(&g);
+        match &self.fft {
+            FftBuffers::F32 { spectrum, .. } => launch.arg(spectrum),
+            FftBuffers::F64 { spectrum, .. } => launch.arg(spectrum),
+        };
+        launch
+            .arg(&self.mel_start)
+            .arg(&self.mel_offset)
+            .arg(&self.mel_weights)
+            .arg(&mut self.mel_db)
+            .arg(&n);
+        // SAFETY: `power_mel_db_<precision>(Geometry, const <real>* (interleaved complex), const
+        // int*, const int*, const float*, float*, int)`.
+        unsafe { launch.launch(cfg) }.context("launching power_mel_db")?;
+
+        let cfg = LaunchConfig {
+            grid_dim: (files.min(self.sm_count as usize * 8).max(1) as u32, 1, 1),
+            block_dim: (FINALIZE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let slot = &mut self.slots[s];
+        let mut launch = self.compute.launch_builder(&self.kernels.finalize_rows);
+        launch
+            .arg(&g)
+            .arg(&self.mel_db)
+            .arg(&mut slot.rows_dev)
+            .arg(&n);
+        // SAFETY: `finalize_rows(Geometry, const float*, unsigned short*, int)` with exactly
+        // FINALIZE_THREADS threads per block.
+        unsafe { launch.launch(cfg) }.context("launching finalize_rows")?;
+
+        slot.compute_end.record(&self.compute)?;
+        let len = files * g.row_len as usize;
+        let host = slot.rows_host.as_mut_slice()?;
+        let rows = slot.rows_dev.slice(0..len);
+        self.download.memcpy_dtoh(&rows, &mut host[..len])?;
+        slot.downloaded.record(&self.download)?;
+        Ok(())
+    }
+
+    /// Host: wait for slot `s`'s rows and copy them out.
+    pub(super) fn collect(&mut self, s: usize, out: &mut [f16]) -> anyhow::Result<()> {
+        let slot = &mut self.slots[s];
+        slot.downloaded
+            .synchronize()
+            .context("waiting for the GPU (an earlier kernel may have failed)")?;
+        // All of the slot's events have completed: add up its device times.
+        let ms = |a: &CudaEvent, b: &CudaEvent| a.elapsed_ms(b).map(|t| t as f64 * 1e-3);
+        self.times.upload += ms(&slot.upload_start, &slot.uploaded)?;
+        self.times.compute += ms(&slot.compute_start, &slot.compute_end)?;
+        self.times.download += ms(&slot.compute_end, &slot.downloaded)?;
+        self.times.chunks += 1;
+        let host = slot.rows_host.as_slice()?;
+        let len = out.len();
+        bytemuck::cast_slice_mut::<f16, u16>(out).copy_from_slice(&host[..len]);
+        Ok(())
+    }
+
+    pub(super) fn run_batch(&mut self, batch: &[&Waveform], out: &mut [f16]) -> anyhow::Result<()> {
+        self.ctx.bind_to_thread()?;
+        let row_len = self.shape.row_len();
+        let chunks: Vec<(usize, usize)> = (0..batch.len())
+            .step_by(self.chunk_files)
+            .map(|start| (start, (start + self.chunk_files).min(batch.len())))
+            .collect();
+        let Some(&(first_start, first_end)) = chunks.first() else {
+            return Ok(());
+        };
+        // Pipeline: the host stages chunk k+1 (copy into pinned memory, async upload) while the
+        // GPU computes chunk k, and collects chunk k-1 meanwhile. Uploads and downloads have
+        // their own streams, so the upload of k+1 never queues behind the download of k (which
+        // waits for k's kernels).
+        self.stage(0, &batch[first_start..first_end])?;
+        for (k, &(start, end)) in chunks.iter().enumerate() {
+            self.compute_and_download(k % 2)?;
+            if let Some(&(next_start, next_end)) = chunks.get(k + 1) {
+                self.stage((k + 1) % 2, &batch[next_start..next_end])?;
+            }
+            if k >= 1 {
+                let (prev_start, prev_end) = chunks[k - 1];
+                self.collect(
+                    (k - 1) % 2,
+                    &mut out[prev_start * row_len..prev_end * row_len],
+                )?;
+            }
+            if k + 1 == chunks.len() {
+                self.collect(k % 2, &mut out[start * row_len..end * row_len])?;
+            }
+        }
+        // Errors cudarc recorded where it could not return them (event records in drops).
+        self.ctx.check_err()?;
+        Ok(())
+    }
+}
