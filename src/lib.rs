@@ -14,7 +14,8 @@
 //! - [`rebuild`] (bulk, swapped in by [`staging`]) and [`daemon`] (the service).
 //!
 //! Around them: [`lock`] (one writer), [`migrate`] (schema versions), [`status`], [`inspect`],
-//! [`demo`] with [`synth`] (synthetic recordings), [`doctor`], [`logging`].
+//! [`plot`] (their pictures), [`demo`] with [`synth`] (synthetic recordings), [`doctor`],
+//! [`logging`].
 pub mod config;
 pub mod daemon;
 pub mod decode;
@@ -30,6 +31,7 @@ pub mod manifest;
 pub mod migrate;
 pub mod output;
 pub mod pipeline;
+pub mod plot;
 pub mod rebuild;
 pub mod settle;
 pub mod staging;
