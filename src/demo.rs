@@ -1,13 +1,24 @@
 //! `ailhd demo [DIR]`: the first thing a new user runs. Makes a small synthetic labelled tree
 //! (a few hundred clips that sound different per label, plus a duplicate and a broken file to
-//! show what happens to those), writes a configuration for it, rebuilds it, and says where
-//! everything is and how to read it.
+//! show what happens to those), writes a configuration for it, rebuilds it, then shows the
+//! service at work: it starts `ailhd run` on the tree, drops a few new recordings in and prints
+//! them arriving as a trainer's SWMR reader sees them, and stops the service. Last, it draws
+//! the pictures (`status --png`, `inspect --png`) and says where everything is.
+//!
+//! The service runs as a child process of this same binary, started the way systemd starts it
+//! (`ailhd --config FILE run`) and stopped the way systemd stops it (SIGTERM, then a clean
+//! drain), so what the user sees is the real service. The reader stays in this process and is
+//! a separate process from the writer, as a trainer is: HDF5 lets one process hold a file in
+//! SWMR-write and another in SWMR-read mode, not one process both.
 
-use crate::config::{DeviceChoice, Settings};
+use crate::config::{DeviceChoice, Settings, SPLITS};
+use crate::plot::columns::SwmrSplit;
 use crate::rebuild::{self, Ui};
 use crate::synth;
-use anyhow::Context;
-use std::path::Path;
+use anyhow::{bail, Context};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 pub const DEMO_LABELS: [&str; 5] = ["BACKGROUND", "CRACK", "LEAK", "NORMAL", "UNCLASSIFIED"];
 const PER_LABEL: usize = 60;
@@ -54,6 +65,20 @@ pub fn run(dir: &Path, device: DeviceChoice, ui: &Ui) -> anyhow::Result<()> {
     );
     let report = rebuild::rebuild(&settings, device, ui)?;
     print!("{}", rebuild::summary(&settings, &report));
+
+    live(&settings, &config_path, device, &abs)?;
+
+    let status_png = abs.join("status.png");
+    let status = crate::status::load(&settings)?;
+    crate::status::write_png(&settings, &status, &status_png)?;
+    let inspected = crate::inspect::inspect(&settings, &written[2 * PER_LABEL])?;
+    let inspect_png = abs.join("inspect.png");
+    crate::inspect::write_png(&settings, &inspected, &inspect_png)?;
+    println!(
+        "\nPictures:\n  {}   the dataset (ailhd status --png)\n  {}  one recording (ailhd inspect --png)",
+        status_png.display(),
+        inspect_png.display()
+    );
     let h5 = crate::output::hdf5_path(&settings.paths.output, &settings.outputs.hdf5_names, 0);
     println!(
         "\nRead it as the trainer does:\n  python3 -c 'import h5py; f = h5py.File(\"{}\", \"r\"); print(f[\"segments_mel\"].shape, f.attrs[\"labels_json\"])'\n  python3 -c 'import numpy as np; print(np.load(\"{}/segments_mel.npy\", mmap_mode=\"r\").shape)'\nMore:\n  ailhd --config {} status\n  ailhd --config {} inspect {}\n  ailhd --config {} run      # watch the tree and ingest new recordings as they land",
@@ -65,4 +90,255 @@ pub fn run(dir: &Path, device: DeviceChoice, ui: &Ui) -> anyhow::Result<()> {
         config_path.display(),
     );
     Ok(())
+}
+
+/// New recordings dropped in while the service runs.
+const LIVE_FILES: usize = 6;
+/// Time between two of them.
+const LIVE_GAP: Duration = Duration::from_millis(400);
+
+/// One new recording: where it went and when it was complete (closed).
+struct Dropped {
+    recording_id: String,
+    closed: Instant,
+    seen: bool,
+}
+
+/// Kill the child if the demo fails part-way, so it never outlives `ailhd demo`.
+struct Service(Option<Child>);
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn device_name(d: DeviceChoice) -> &'static str {
+    match d {
+        DeviceChoice::Auto => "auto",
+        DeviceChoice::Cpu => "cpu",
+        DeviceChoice::Cuda => "cuda",
+    }
+}
+
+/// The service part of the demo (see the module notes).
+fn live(
+    settings: &Settings,
+    config_path: &Path,
+    device: DeviceChoice,
+    dir: &Path,
+) -> anyhow::Result<()> {
+    let log_path = dir.join("service.log");
+    let log = std::fs::File::create(&log_path)
+        .with_context(|| format!("cannot create {}", log_path.display()))?;
+    let exe = std::env::current_exe().context("cannot find the ailhd executable")?;
+    let mut cmd = Command::new(exe);
+    // Only the demo's configuration: no AILHD_* override from the caller's environment may
+    // point the service elsewhere; the device is the one the rebuild used.
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("AILHD_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env("AILHD_INGEST__DEVICE", device_name(device))
+        .arg("--config")
+        .arg(config_path)
+        .arg("--verbose")
+        .arg("run")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log);
+    println!(
+        "\nThe service: `ailhd --config {} run` (log: {})",
+        config_path.display(),
+        log_path.display()
+    );
+    let started = Instant::now();
+    let mut service = Service(Some(cmd.spawn().context("cannot start `ailhd run`")?));
+    let pid = service.0.as_ref().map(|c| c.id()).unwrap_or(0);
+    wait_ready(settings, &mut service, pid, &log_path)?;
+    println!(
+        "  running (pid {pid}), ready after {:.1} s; a trainer's SWMR reader follows committed_rows of each split",
+        started.elapsed().as_secs_f64()
+    );
+
+    // The reader, as a trainer holds it: each split's file open in SWMR mode, committed_rows
+    // refreshed to see new rows.
+    let mut readers = Vec::new();
+    for (i, split) in SPLITS.iter().enumerate() {
+        let path =
+            crate::output::hdf5_path(&settings.paths.output, &settings.outputs.hdf5_names, i);
+        let mut r = SwmrSplit::open(&path)?;
+        let n = r.refresh()?;
+        readers.push((split, r, n));
+    }
+    let labels = readers[0].1.label_names()?;
+
+    let live_labels = [
+        "LEAK",
+        "NORMAL",
+        "CRACK",
+        "BACKGROUND",
+        "LEAK",
+        "UNCLASSIFIED",
+    ];
+    let mut dropped: Vec<Dropped> = Vec::new();
+    let mut latencies: Vec<f64> = Vec::new();
+    let t0 = Instant::now();
+    let deadline = t0 + LIVE_GAP * LIVE_FILES as u32 + Duration::from_secs(15);
+    while dropped.iter().filter(|d| d.seen).count() < LIVE_FILES {
+        if Instant::now() > deadline {
+            bail!(
+                "the service did not commit the new recordings within 15 s (see {})",
+                log_path.display()
+            );
+        }
+        if let Some(status) = service.0.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+            bail!(
+                "the service stopped ({status}) before the new recordings arrived: see {}",
+                log_path.display()
+            );
+        }
+        let k = dropped.len();
+        if k < LIVE_FILES && t0.elapsed() >= LIVE_GAP * k as u32 {
+            let label = live_labels[k % live_labels.len()];
+            let index = 5000 + k;
+            let name = synth::file_name(index, 11);
+            let rel = format!("{label}/{name}");
+            let bytes = synth::wav_pcm16(&synth::clip(label, 77_000 + k as u64, 4096, 10.0), 4096);
+            std::fs::write(settings.paths.recordings.join(&rel), bytes)?;
+            let closed = Instant::now();
+            println!("  {:>5.2} s  dropped   {rel}", t0.elapsed().as_secs_f64());
+            dropped.push(Dropped {
+                recording_id: format!("R{index:06}"),
+                closed,
+                seen: false,
+            });
+        }
+        for (split, reader, seen) in readers.iter_mut() {
+            let n = reader.refresh()?;
+            if n <= *seen {
+                continue;
+            }
+            let now = Instant::now();
+            let ids = reader.read_strings("recording_id", *seen..n)?;
+            let cols = reader.read_rows(split, *seen..n)?;
+            for (j, id) in ids.iter().enumerate() {
+                let row = *seen + j as u64;
+                let label = labels
+                    .get(cols.labels[j].max(0) as usize)
+                    .map(String::as_str)
+                    .unwrap_or("?");
+                match dropped
+                    .iter_mut()
+                    .find(|d| &d.recording_id == id && !d.seen)
+                {
+                    Some(d) => {
+                        d.seen = true;
+                        let ms = now.duration_since(d.closed).as_secs_f64() * 1e3;
+                        latencies.push(ms);
+                        println!(
+                            "  {:>5.2} s  committed row {row} of {} ({label}, {id}), {ms:.0} ms after the file was closed",
+                            t0.elapsed().as_secs_f64(),
+                            reader.path().file_name().unwrap_or_default().to_string_lossy(),
+                        );
+                    }
+                    None => println!(
+                        "  {:>5.2} s  row {row} of {} ({split}, {label}): recording {id}",
+                        t0.elapsed().as_secs_f64(),
+                        reader
+                            .path()
+                            .file_name()
+                            .unwrap_or_default()
+                            .to_string_lossy()
+                    ),
+                }
+            }
+            *seen = n;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(readers);
+    latencies.sort_by(f64::total_cmp);
+    println!(
+        "  completion-to-commit as the reader saw it (file closed -> row below committed_rows, polled every 5 ms): median {:.0} ms, max {:.0} ms",
+        latencies[latencies.len() / 2],
+        latencies[latencies.len() - 1]
+    );
+
+    // Stop it as systemd does: SIGTERM, then it drains and exits.
+    let stop = Instant::now();
+    let mut child = service.0.take().expect("the service is running");
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        if stop.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!(
+                "the service did not stop within 20 s of SIGTERM (see {})",
+                log_path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    if !status.success() {
+        bail!(
+            "the service exited with {status} (see {})",
+            log_path.display()
+        );
+    }
+    println!(
+        "  stopped cleanly (SIGTERM, exit 0) in {:.2} s; `ailhd status` now counts {} rows",
+        stop.elapsed().as_secs_f64(),
+        crate::status::load(settings)?
+            .splits
+            .values()
+            .map(|s| s.rows)
+            .sum::<u64>()
+    );
+    Ok(())
+}
+
+/// Wait until the service has written its status snapshot (it does once it is up and idle).
+fn wait_ready(
+    settings: &Settings,
+    service: &mut Service,
+    pid: u32,
+    log: &Path,
+) -> anyhow::Result<()> {
+    let snapshot: PathBuf = crate::status::snapshot_path(settings);
+    let t = Instant::now();
+    loop {
+        if let Some(status) = service.0.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            bail!(
+                "`ailhd run` stopped at once ({status}): {}",
+                text.lines().last().unwrap_or("see the log")
+            );
+        }
+        let ours = std::fs::read_to_string(&snapshot)
+            .ok()
+            .and_then(|s| serde_json::from_str::<crate::status::StatusReport>(&s).ok())
+            .and_then(|r| r.service)
+            .is_some_and(|svc| svc.pid == pid);
+        if ours {
+            return Ok(());
+        }
+        if t.elapsed() > Duration::from_secs(30) {
+            bail!(
+                "`ailhd run` was not ready within 30 s (see {})",
+                log.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

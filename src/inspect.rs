@@ -13,6 +13,9 @@ use std::path::Path;
 #[derive(Debug, Serialize)]
 pub struct Inspection {
     pub file: String,
+    /// First folder under `paths.recordings` (the label), or the folder's name with a note
+    /// when the file is outside the tree.
+    pub label: Option<String>,
     pub bytes: u64,
     pub blake3: String,
     pub format: String,
@@ -33,8 +36,36 @@ pub struct Inspection {
     pub featuriser: String,
 }
 
-/// Returns the inspection and the row (for the picture).
-pub fn inspect(settings: &Settings, file: &Path) -> anyhow::Result<(Inspection, Vec<f16>)> {
+/// What `inspect` found, with what the picture needs.
+pub struct Inspected {
+    pub info: Inspection,
+    /// The decoded waveform at `features.sample_rate`, padded or trimmed as featurised.
+    pub wave: Vec<f32>,
+    /// The row as it is stored, of shape `info.shape`.
+    pub row: Vec<f16>,
+}
+
+/// The label the file would get: its first folder under `paths.recordings`, or, for a file
+/// outside that tree, the name of the folder it is in.
+fn label_of(settings: &Settings, file: &Path) -> Option<String> {
+    let abs = std::fs::canonicalize(file).ok()?;
+    let under = std::fs::canonicalize(&settings.paths.recordings)
+        .ok()
+        .and_then(|root| abs.strip_prefix(root).ok().map(Path::to_path_buf));
+    match under {
+        Some(rel) if rel.components().count() >= 2 => rel
+            .components()
+            .next()
+            .map(|c| c.as_os_str().to_string_lossy().into_owned()),
+        Some(_) => None,
+        None => abs
+            .parent()
+            .and_then(|p| p.file_name())
+            .map(|n| format!("{} (folder; outside paths.recordings)", n.to_string_lossy())),
+    }
+}
+
+pub fn inspect(settings: &Settings, file: &Path) -> anyhow::Result<Inspected> {
     let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
     let info = decode::parse_header(&bytes).with_context(|| format!("{}", file.display()))?;
     let shape = settings.features.shape();
@@ -51,15 +82,17 @@ pub fn inspect(settings: &Settings, file: &Path) -> anyhow::Result<(Inspection, 
         sq += (x as f64) * (x as f64);
     }
     let vals: Vec<f32> = row.iter().map(|v| v.to_f32()).collect();
+    let samples: Vec<f32> = (0..wave.len()).map(|i| wave.sample(i)).collect();
     let name = identity::parse_name(
         &file
             .file_name()
             .map(|s| s.to_string_lossy().to_string())
             .unwrap_or_default(),
     );
-    Ok((
-        Inspection {
+    Ok(Inspected {
+        info: Inspection {
             file: file.display().to_string(),
+            label: label_of(settings, file),
             bytes: bytes.len() as u64,
             blake3: identity::hex(&identity::content_hash(&bytes)),
             format: format!("{:?}", info.format),
@@ -79,8 +112,9 @@ pub fn inspect(settings: &Settings, file: &Path) -> anyhow::Result<(Inspection, 
             db_mean: vals.iter().sum::<f32>() / vals.len().max(1) as f32,
             featuriser: feat.name(),
         },
+        wave: samples,
         row,
-    ))
+    })
 }
 
 pub fn render(i: &Inspection) -> String {
@@ -90,45 +124,20 @@ pub fn render(i: &Inspection) -> String {
         None => "-".into(),
     };
     format!(
-        "{}\n  {} bytes, blake3 {}\n  {} {} ch, {} Hz, {} bit, {:.3} s; peak {:.4}, rms {:.4}\n  name: sensor {:?}, recording {:?}, recorded_at {}, gain {}\n  features {:?} on {}: {:.2} .. {:.2} dB (mean {:.2})\n",
-        i.file, i.bytes, i.blake3, i.format, i.channels, i.sample_rate, i.bits_per_sample, i.duration_sec,
+        "{}\n  label {}\n  {} bytes, blake3 {}\n  {} {} ch, {} Hz, {} bit, {:.3} s; peak {:.4}, rms {:.4}\n  name: sensor {:?}, recording {:?}, recorded_at {}, gain {}\n  features {:?} on {}: {:.2} .. {:.2} dB (mean {:.2})\n",
+        i.file, i.label.as_deref().unwrap_or("-"), i.bytes, i.blake3, i.format, i.channels, i.sample_rate, i.bits_per_sample, i.duration_sec,
         i.peak, i.rms, i.sensor_id, i.recording_id, i.recorded_at, gain, i.shape, i.featuriser, i.db_min,
         i.db_max, i.db_mean
     )
 }
 
-/// A greyscale picture of the row: time (windows, frames) left to right, mel bins bottom to top,
-/// each window scaled up so the picture is readable.
-pub fn write_png(row: &[f16], shape: [usize; 4], out: &Path) -> anyhow::Result<()> {
-    let [nl, ns, nm, nt] = shape;
-    let cols = nl * ns * nt;
-    let (sx, sy) = (
-        (800 / cols.max(1)).clamp(1, 16),
-        (256 / nm.max(1)).clamp(1, 8),
-    );
-    let (w, h) = (cols * sx, nm * sy);
-    let vals: Vec<f32> = row.iter().map(|v| v.to_f32()).collect();
-    let hi = vals.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lo = (hi - 80.0).max(vals.iter().copied().fold(f32::INFINITY, f32::min));
-    let mut img = vec![0u8; w * h];
-    for win in 0..nl * ns {
-        for m in 0..nm {
-            for t in 0..nt {
-                let v = vals[(win * nm + m) * nt + t];
-                let g = (((v - lo) / (hi - lo).max(1e-6)).clamp(0.0, 1.0) * 255.0) as u8;
-                let col = win * nt + t;
-                for y in 0..sy {
-                    let row_px = h - 1 - (m * sy + y);
-                    img[row_px * w + col * sx..row_px * w + (col + 1) * sx].fill(g);
-                }
-            }
-        }
-    }
-    let file =
-        std::fs::File::create(out).with_context(|| format!("cannot create {}", out.display()))?;
-    let mut enc = png::Encoder::new(std::io::BufWriter::new(file), w as u32, h as u32);
-    enc.set_color(png::ColorType::Grayscale);
-    enc.set_depth(png::BitDepth::Eight);
-    enc.write_header()?.write_image_data(&img)?;
-    Ok(())
+/// Write the picture of an inspected recording (see [`crate::plot::recording`]).
+pub fn write_png(settings: &Settings, inspected: &Inspected, out: &Path) -> anyhow::Result<()> {
+    crate::plot::recording::write(
+        out,
+        &inspected.info,
+        &settings.features,
+        &inspected.wave,
+        &inspected.row,
+    )
 }

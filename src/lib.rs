@@ -16,6 +16,8 @@
 //! - the commands: [`rebuild`] (bulk into staging, swapped in by [`staging`]) and [`daemon`]
 //!   (the service), [`status`], [`inspect`], [`demo`] with [`synth`], [`doctor`].
 //!
+//!   [`plot`] draws the pictures of `inspect` and `status`.
+//!
 //! Around them: [`config`], [`lock`] (one writer), [`migrate`] (schema versions), [`logging`].
 pub mod config;
 pub mod daemon;
@@ -30,6 +32,7 @@ pub mod lock;
 pub mod logging;
 pub mod migrate;
 pub mod output;
+pub mod plot;
 pub mod rebuild;
 pub mod source;
 pub mod staging;

@@ -50,6 +50,9 @@ enum Command {
     Status {
         #[arg(long)]
         json: bool,
+        /// Also draw the dataset (rows per label and split, arrivals, gains) as a PNG.
+        #[arg(long, value_name = "OUT.png")]
+        png: Option<PathBuf>,
     },
     /// Validate the configuration (exit 0, or 2 with the reason).
     CheckConfig,
@@ -58,7 +61,7 @@ enum Command {
         file: PathBuf,
         #[arg(long)]
         json: bool,
-        /// Write the features as a greyscale PNG.
+        /// Also draw the recording (waveform, spectrogram, stored features) as a PNG.
         #[arg(long, value_name = "OUT.png")]
         png: Option<PathBuf>,
     },
@@ -137,26 +140,32 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Status { json } => {
+        Command::Status { json, png } => {
             let s = load_settings(&cli)?;
             let r = ailhd::status::load(&s)?;
+            if let Some(out) = png {
+                ailhd::status::write_png(&s, &r, out)?;
+            }
             if *json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
                 print!("{}", ailhd::status::render(&r));
+                if let Some(out) = png {
+                    println!("picture: {}", out.display());
+                }
             }
             Ok(())
         }
         Command::Inspect { file, json, png } => {
             let s = load_settings(&cli)?;
-            let (info, row) = ailhd::inspect::inspect(&s, file)?;
+            let found = ailhd::inspect::inspect(&s, file)?;
             if let Some(out) = png {
-                ailhd::inspect::write_png(&row, info.shape, out)?;
+                ailhd::inspect::write_png(&s, &found, out)?;
             }
             if *json {
-                println!("{}", serde_json::to_string_pretty(&info)?);
+                println!("{}", serde_json::to_string_pretty(&found.info)?);
             } else {
-                print!("{}", ailhd::inspect::render(&info));
+                print!("{}", ailhd::inspect::render(&found.info));
                 if let Some(out) = png {
                     println!("  picture: {}", out.display());
                 }

@@ -241,3 +241,15 @@ pub fn render(r: &StatusReport) -> String {
     }
     s
 }
+
+/// `status --png OUT.png`: the picture of the dataset (see [`crate::plot::dataset`]), from the
+/// outputs' own columns read as a reader reads them (HDF5 in SWMR mode, else npy), and the
+/// report's file counts.
+pub fn write_png(
+    settings: &Settings,
+    report: &StatusReport,
+    out: &std::path::Path,
+) -> anyhow::Result<()> {
+    let cols = crate::plot::columns::read(settings)?;
+    crate::plot::dataset::write(out, &settings.paths.output, report, &cols)
+}

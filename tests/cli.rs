@@ -96,6 +96,27 @@ fn demo_builds_a_tree_a_user_can_read() {
         text.contains("cut_short.wav"),
         "the broken file is reported: {text}"
     );
+    // The service part: six recordings dropped in, each seen committed by the SWMR reader,
+    // then a clean stop.
+    assert_eq!(text.matches("  dropped   ").count(), 6, "{text}");
+    assert_eq!(
+        text.matches("ms after the file was closed").count(),
+        6,
+        "{text}"
+    );
+    assert!(
+        text.contains("stopped cleanly (SIGTERM, exit 0)") && text.contains("counts 306 rows"),
+        "{text}"
+    );
+    for png in ["status.png", "inspect.png"] {
+        let bytes = std::fs::read(dir.path().join("d").join(png)).unwrap();
+        assert!(bytes.starts_with(b"\x89PNG"), "{png}");
+        let info = png::Decoder::new(std::io::Cursor::new(bytes))
+            .read_info()
+            .unwrap();
+        let (w, h) = (info.info().width, info.info().height);
+        assert!(w >= 800 && h >= 500, "{png} is {w}x{h}");
+    }
     let h5 = dir.path().join("d/output/TRAINING_DATASET.H5");
     let script = format!(
         "import h5py, numpy as np\nf = h5py.File({h5:?}, 'r')\nm = f['segments_mel']\nassert m.shape[1:] == (40, 2, 64, 1), m.shape\nassert m.shape[0] > 150\nl = f['labels'][...]\nassert set(np.unique(l)) == {{0, 1, 2, 3, 4}}\n# labels sound different: leaks are louder than background\nmean = {{k: float(m[np.where(l == k)[0][:20]].astype('f4').mean()) for k in (0, 2)}}\nassert mean[2] > mean[0] + 10, mean\nprint('ok')\n"

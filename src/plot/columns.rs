@@ -1,0 +1,346 @@
+//! Reading the outputs as a user's reader does, for `status --png` and the live part of `demo`:
+//! the narrow per-row columns (label, valid, recorded_at, gain_db, recording_id) of committed
+//! rows only.
+//!
+//! HDF5 files are opened read-only in SWMR mode (`H5F_ACC_RDONLY | H5F_ACC_SWMR_READ`, file
+//! locking off), exactly what h5py's `File(p, "r", libver="latest", swmr=True)` does, so this
+//! works while `ailhd run` is appending and never stops it from starting or appending
+//! (README, "Reading the outputs"). [`SwmrSplit::refresh`] re-reads `committed_rows` after
+//! `H5Drefresh`, as `dset.refresh()` does in h5py. When HDF5 output is turned off, the npy
+//! columns (whose header shape is the committed row count) are read instead.
+
+use crate::config::{Settings, SPLITS};
+use anyhow::{bail, Context, Result};
+use hdf5::file::FileAccess;
+use hdf5::types::TypeDescriptor;
+use hdf5::{Dataset, File};
+use hdf5_sys::h5a::H5Aread;
+use hdf5_sys::h5d::{H5Dget_space, H5Dread, H5Drefresh};
+use hdf5_sys::h5f::{H5Fopen, H5F_ACC_RDONLY, H5F_ACC_SWMR_READ};
+use hdf5_sys::h5p::H5P_DEFAULT;
+use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab};
+use std::ffi::{c_void, CString};
+use std::path::{Path, PathBuf};
+
+/// The committed rows of one split.
+#[derive(Debug, Clone, Default)]
+pub struct SplitColumns {
+    pub split: &'static str,
+    pub labels: Vec<i16>,
+    pub valid: Vec<u8>,
+    pub recorded_at: Vec<i64>,
+    pub gain_db: Vec<f32>,
+}
+
+impl SplitColumns {
+    pub fn rows(&self) -> usize {
+        self.labels.len()
+    }
+}
+
+/// Every split's committed rows, with the label names of the outputs.
+#[derive(Debug, Clone, Default)]
+pub struct Columns {
+    pub label_names: Vec<String>,
+    pub splits: Vec<SplitColumns>,
+    /// Where the columns were read from, said in the picture.
+    pub source: String,
+}
+
+/// Read the committed rows of every split (HDF5 in SWMR mode, else npy). A split whose file
+/// does not exist yet has no rows.
+pub fn read(settings: &Settings) -> Result<Columns> {
+    let out = &settings.paths.output;
+    let mut cols = Columns::default();
+    if settings.outputs.hdf5 {
+        cols.source = format!("HDF5 files under {} (read in SWMR mode)", out.display());
+        for (i, split) in SPLITS.iter().enumerate() {
+            let path = crate::output::hdf5_path(out, &settings.outputs.hdf5_names, i);
+            if !path.exists() {
+                cols.splits.push(SplitColumns {
+                    split,
+                    ..Default::default()
+                });
+                continue;
+            }
+            let mut s = SwmrSplit::open(&path)?;
+            if cols.label_names.is_empty() {
+                cols.label_names = s.label_names()?;
+            }
+            let n = s.refresh()?;
+            cols.splits.push(s.read_rows(split, 0..n)?);
+        }
+    } else if settings.outputs.npy {
+        cols.source = format!("npy columns under {}", out.join("npy").display());
+        for (i, split) in SPLITS.iter().enumerate() {
+            let dir = crate::output::npy_dir(out, i);
+            if !dir.join("attributes.json").exists() {
+                cols.splits.push(SplitColumns {
+                    split,
+                    ..Default::default()
+                });
+                continue;
+            }
+            if cols.label_names.is_empty() {
+                cols.label_names = npy_label_names(&dir)?;
+            }
+            cols.splits.push(SplitColumns {
+                split,
+                labels: npy_column(&dir, "labels", "<i2", i16::from_le_bytes)?,
+                valid: npy_column(&dir, "valid", "|u1", u8::from_le_bytes)?,
+                recorded_at: npy_column(&dir, "recorded_at", "<i8", i64::from_le_bytes)?,
+                gain_db: npy_column(&dir, "gain_db", "<f4", f32::from_le_bytes)?,
+            });
+        }
+    } else {
+        bail!("outputs.hdf5 and outputs.npy are both off: there are no outputs to read");
+    }
+    if cols.label_names.is_empty() {
+        cols.label_names = settings.labels.names.clone();
+    }
+    Ok(cols)
+}
+
+/// One split's HDF5 file, open read-only in SWMR mode.
+pub struct SwmrSplit {
+    path: PathBuf,
+    committed: Dataset,
+    /// Declared after the datasets so it is closed last.
+    file: File,
+}
+
+impl SwmrSplit {
+    pub fn open(path: &Path) -> Result<SwmrSplit> {
+        let fapl = FileAccess::build().file_locking(false).finish()?;
+        let name = CString::new(path.as_os_str().as_encoded_bytes())
+            .with_context(|| format!("{}: path contains a NUL byte", path.display()))?;
+        let file = hdf5::sync::sync(|| unsafe {
+            let id = hdf5::h5check(H5Fopen(
+                name.as_ptr(),
+                H5F_ACC_RDONLY | H5F_ACC_SWMR_READ,
+                fapl.id(),
+            ))?;
+            hdf5::from_id::<File>(id)
+        })
+        .with_context(|| format!("{}: opening the HDF5 file in SWMR mode", path.display()))?;
+        let committed = file
+            .dataset("committed_rows")
+            .with_context(|| format!("{}: no committed_rows dataset", path.display()))?;
+        Ok(SwmrSplit {
+            path: path.to_path_buf(),
+            committed,
+            file,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The label names (`labels_json`, a fixed- or variable-length string attribute).
+    pub fn label_names(&self) -> Result<Vec<String>> {
+        let text = read_text_attr(&self.file, "labels_json")
+            .with_context(|| format!("{}: reading labels_json", self.path.display()))?;
+        serde_json::from_str(&text)
+            .with_context(|| format!("{}: labels_json is not a JSON list", self.path.display()))
+    }
+
+    /// Refresh `committed_rows` (as h5py's `dset.refresh()`) and return it.
+    pub fn refresh(&mut self) -> Result<u64> {
+        refresh(&self.committed)?;
+        let v = self
+            .committed
+            .read_raw::<i64>()
+            .with_context(|| format!("{}: reading committed_rows", self.path.display()))?;
+        Ok(v.first().copied().unwrap_or(0).max(0) as u64)
+    }
+
+    fn dataset(&self, name: &str) -> Result<Dataset> {
+        let ds = self
+            .file
+            .dataset(name)
+            .with_context(|| format!("{}: no {name} dataset", self.path.display()))?;
+        refresh(&ds)?;
+        Ok(ds)
+    }
+
+    /// Rows `range` (below the last [`refresh`](Self::refresh)ed `committed_rows`) of the
+    /// narrow columns.
+    pub fn read_rows(
+        &self,
+        split: &'static str,
+        range: std::ops::Range<u64>,
+    ) -> Result<SplitColumns> {
+        let r = range.start as usize..range.end as usize;
+        let ctx = |c: &str| format!("{}: reading {c} rows {r:?}", self.path.display());
+        Ok(SplitColumns {
+            split,
+            labels: self
+                .dataset("labels")?
+                .read_slice_1d::<i16, _>(r.clone())
+                .with_context(|| ctx("labels"))?
+                .to_vec(),
+            valid: self
+                .dataset("valid")?
+                .read_slice_1d::<u8, _>(r.clone())
+                .with_context(|| ctx("valid"))?
+                .to_vec(),
+            recorded_at: self
+                .dataset("recorded_at")?
+                .read_slice_1d::<i64, _>(r.clone())
+                .with_context(|| ctx("recorded_at"))?
+                .to_vec(),
+            gain_db: self
+                .dataset("gain_db")?
+                .read_slice_1d::<f32, _>(r.clone())
+                .with_context(|| ctx("gain_db"))?
+                .to_vec(),
+        })
+    }
+
+    /// Rows `range` of a fixed-length string column (`recording_id`, `source_path`...).
+    pub fn read_strings(&self, name: &str, range: std::ops::Range<u64>) -> Result<Vec<String>> {
+        let ds = self.dataset(name)?;
+        let count = range.end.saturating_sub(range.start);
+        if count == 0 {
+            return Ok(Vec::new());
+        }
+        let dtype = ds.dtype()?;
+        let width = match dtype.to_descriptor()? {
+            TypeDescriptor::FixedUnicode(n) | TypeDescriptor::FixedAscii(n) => n,
+            other => bail!(
+                "{}: {name} is {other:?}, not a fixed-length string",
+                self.path.display()
+            ),
+        };
+        let mut buf = vec![0u8; width * count as usize];
+        hdf5::sync::sync(|| unsafe {
+            let fspace = hdf5::h5check(H5Dget_space(ds.id()))?;
+            let start = [range.start];
+            let n = [count];
+            let picked = hdf5::h5check(H5Sselect_hyperslab(
+                fspace,
+                H5S_seloper_t::H5S_SELECT_SET,
+                start.as_ptr(),
+                std::ptr::null(),
+                n.as_ptr(),
+                std::ptr::null(),
+            ));
+            let mspace = hdf5::h5check(H5Screate_simple(1, n.as_ptr(), std::ptr::null()));
+            let read = match (picked, &mspace) {
+                (Ok(_), Ok(m)) => hdf5::h5check(H5Dread(
+                    ds.id(),
+                    dtype.id(),
+                    *m,
+                    fspace,
+                    H5P_DEFAULT,
+                    buf.as_mut_ptr() as *mut c_void,
+                ))
+                .map(|_| ()),
+                (Err(e), _) => Err(e),
+                (_, Err(e)) => Err(e.clone()),
+            };
+            if let Ok(m) = mspace {
+                H5Sclose(m);
+            }
+            H5Sclose(fspace);
+            read
+        })
+        .with_context(|| format!("{}: reading {name} rows {range:?}", self.path.display()))?;
+        Ok(buf.chunks(width).map(nul_trimmed).collect())
+    }
+}
+
+fn refresh(ds: &Dataset) -> Result<()> {
+    hdf5::sync::sync(|| unsafe { hdf5::h5check(H5Drefresh(ds.id())) })?;
+    Ok(())
+}
+
+fn nul_trimmed(b: &[u8]) -> String {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    String::from_utf8_lossy(&b[..end]).into_owned()
+}
+
+/// A string attribute, variable- or fixed-length (NUL padding removed).
+fn read_text_attr(file: &File, name: &str) -> Result<String> {
+    let attr = file.attr(name)?;
+    let dtype = attr.dtype()?;
+    match dtype.to_descriptor()? {
+        TypeDescriptor::VarLenUnicode => Ok(attr
+            .read_scalar::<hdf5::types::VarLenUnicode>()?
+            .as_str()
+            .into()),
+        TypeDescriptor::FixedUnicode(n) | TypeDescriptor::FixedAscii(n) => {
+            let mut buf = vec![0u8; n];
+            hdf5::sync::sync(|| unsafe {
+                hdf5::h5check(H5Aread(
+                    attr.id(),
+                    dtype.id(),
+                    buf.as_mut_ptr() as *mut c_void,
+                ))
+            })?;
+            Ok(nul_trimmed(&buf))
+        }
+        other => bail!("attribute {name} is {other:?}, not a string"),
+    }
+}
+
+fn npy_label_names(dir: &Path) -> Result<Vec<String>> {
+    let path = dir.join("attributes.json");
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let attrs: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("cannot parse {}", path.display()))?;
+    let labels = attrs["labels_json"]
+        .as_str()
+        .with_context(|| format!("{}: no labels_json", path.display()))?;
+    serde_json::from_str(labels)
+        .with_context(|| format!("{}: labels_json is not a JSON list", path.display()))
+}
+
+/// A one-dimensional npy column: check the header's dtype, read its committed rows (the
+/// header shape).
+fn npy_column<T, const N: usize>(
+    dir: &Path,
+    name: &str,
+    descr: &str,
+    from: fn([u8; N]) -> T,
+) -> Result<Vec<T>> {
+    let path = dir.join(format!("{name}.npy"));
+    let bytes = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bad = |what: &str| anyhow::anyhow!("{}: {what}", path.display());
+    if !bytes.starts_with(b"\x93NUMPY") || bytes.len() < 10 {
+        return Err(bad("not an npy file"));
+    }
+    let (hlen, hstart) = match bytes[6] {
+        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
+        _ if bytes.len() >= 12 => (
+            u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
+            12,
+        ),
+        _ => return Err(bad("truncated npy header")),
+    };
+    let header = std::str::from_utf8(
+        bytes
+            .get(hstart..hstart + hlen)
+            .ok_or_else(|| bad("truncated npy header"))?,
+    )
+    .map_err(|_| bad("npy header is not text"))?;
+    if !header.contains(&format!("'descr': '{descr}'")) {
+        return Err(bad(&format!("expected dtype {descr}, header {header:?}")));
+    }
+    let shape = header
+        .split("'shape': (")
+        .nth(1)
+        .and_then(|s| s.split([',', ')']).next())
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .ok_or_else(|| bad(&format!("no row count in header {header:?}")))?;
+    let data = &bytes[hstart + hlen..];
+    if data.len() < shape * N {
+        return Err(bad(&format!("header says {shape} rows, data holds fewer")));
+    }
+    Ok(data[..shape * N]
+        .chunks_exact(N)
+        .map(|c| from(c.try_into().unwrap()))
+        .collect())
+}
