@@ -12,6 +12,7 @@ use crate::manifest::{now_ms, ContentRecord, FileRecord, FileState, Manifest, Ma
 use crate::output::set::OutputSet;
 use crate::output::{OutputHeader, RowMeta};
 use crate::pipeline::{self, StageTimes};
+use crate::shard::Shard;
 use crate::staging;
 use anyhow::{ensure, Context};
 use half::f16;
@@ -36,6 +37,10 @@ pub struct RebuildReport {
     pub stages: Vec<(&'static str, f64)>,
     pub labels: Vec<String>,
     pub rows_per_label: Vec<u64>,
+    /// `rebuild --shard I/N`: the shard, and the files left to the other shards (not counted
+    /// in `files`, not recorded anywhere).
+    pub shard: Option<String>,
+    pub other_shards: usize,
 }
 
 impl RebuildReport {
@@ -111,6 +116,18 @@ pub fn rebuild(
     device: DeviceChoice,
     ui: &Ui,
 ) -> anyhow::Result<RebuildReport> {
+    rebuild_shard(settings, device, ui, Shard::ALL)
+}
+
+/// `rebuild --shard I/N`: only the recordings that shard I of N owns (by content hash, see
+/// [`crate::shard`]), as an ordinary set of outputs. The other shards' files are read and
+/// hashed, then skipped: not decoded, not recorded, not reported as quarantined.
+pub fn rebuild_shard(
+    settings: &Settings,
+    device: DeviceChoice,
+    ui: &Ui,
+    shard: Shard,
+) -> anyhow::Result<RebuildReport> {
     let started = Instant::now();
     let _lock = WriterLock::acquire(&settings.paths.state, "rebuild")?;
     staging::finish_pending(settings)?;
@@ -130,7 +147,11 @@ pub fn rebuild(
         let features = settings.features.clone();
         std::thread::spawn(move || features::build(&features, device, threads))
     };
-    let (files, not_utf8) = scan(&settings.paths.recordings)?;
+    let (files, mut not_utf8) = scan(&settings.paths.recordings)?;
+    if !shard.owns_unhashable() {
+        not_utf8.clear(); // reported by shard 0
+    }
+    let other_shards = std::sync::atomic::AtomicUsize::new(0);
     let mut labels = LabelSet::new(
         &settings.labels.names,
         &appended_before,
@@ -180,6 +201,8 @@ pub fn rebuild(
         stages: Vec::new(),
         labels: labels.names.clone(),
         rows_per_label: vec![0; labels.names.len()],
+        shard: (!shard.is_all()).then(|| shard.to_string()),
+        other_shards: 0,
     };
     for rel in &not_utf8 {
         report
@@ -218,6 +241,7 @@ pub fn rebuild(
                     &shape,
                     &pool,
                     &times,
+                    (shard, &other_shards),
                 )?;
                 if tx.send(chunk).is_err() {
                     break; // a later stage failed; its error is reported below
@@ -240,6 +264,8 @@ pub fn rebuild(
         b.finish_and_clear();
     }
     report.rows = rows;
+    report.other_shards = other_shards.into_inner();
+    report.files -= report.other_shards;
     report.duplicates = dups;
     report.quarantined.extend(quarantined);
     for (l, n) in per_label {
@@ -300,14 +326,19 @@ fn prepare_chunk(
     shape: &crate::config::FeatureShape,
     pool: &rayon::ThreadPool,
     times: &StageTimes,
+    (shard, other_shards): (Shard, &std::sync::atomic::AtomicUsize),
 ) -> anyhow::Result<Chunk> {
     let root = &settings.paths.recordings;
     let prepared: Vec<pipeline::Prepared> = pool.install(|| {
         names
             .par_iter()
-            .map(|rel| pipeline::prepare(root, rel, &settings.features, shape, times))
+            .filter_map(|rel| prepare_in_shard(root, rel, &settings.features, shape, times, shard))
             .collect()
     });
+    other_shards.fetch_add(
+        names.len() - prepared.len(),
+        std::sync::atomic::Ordering::Relaxed,
+    );
 
     let mut chunk = Chunk {
         new_rows: Default::default(),
@@ -374,6 +405,41 @@ fn prepare_chunk(
         chunk.waves[placement.split].push(waveform);
     }
     Ok(chunk)
+}
+
+/// [`pipeline::prepare`] for the files of `shard`; None for another shard's file. A sharded
+/// rebuild reads and hashes every file first and decodes only its own (which it reads and
+/// hashes again from the page cache). A file that cannot be read has no hash: shard 0 reports
+/// it. A file whose bytes changed between the two reads belongs to the shard of the bytes read
+/// last, like a changed file in an ordinary rebuild.
+fn prepare_in_shard(
+    root: &Path,
+    rel: &str,
+    features: &crate::config::FeatureSettings,
+    shape: &crate::config::FeatureShape,
+    times: &StageTimes,
+    shard: Shard,
+) -> Option<pipeline::Prepared> {
+    if !shard.is_all() {
+        let t = Instant::now();
+        let bytes = std::fs::read(root.join(rel));
+        StageTimes::add(&times.read, t);
+        let t = Instant::now();
+        let mine = match &bytes {
+            Ok(b) => shard.contains(&identity::content_hash(b)),
+            Err(_) => shard.owns_unhashable(),
+        };
+        StageTimes::add(&times.hash, t);
+        if !mine {
+            return None;
+        }
+    }
+    let p = pipeline::prepare(root, rel, features, shape, times);
+    let mine = match &p.hash {
+        Some(h) => shard.contains(h),
+        None => shard.owns_unhashable(),
+    };
+    mine.then_some(p)
 }
 
 /// The featuriser's stage: rows for a chunk's decoded recordings, on its own thread, so that
@@ -508,6 +574,13 @@ pub fn summary(settings: &Settings, r: &RebuildReport) -> String {
         r.files_per_sec(),
         r.device
     );
+    if let Some(shard) = &r.shard {
+        let _ = writeln!(
+            s,
+            "  shard {shard}: {} other files left to the other shards",
+            r.other_shards
+        );
+    }
     let _ = writeln!(s, "  duplicates (same bytes, one row): {}", r.duplicates);
     for (split, name) in SPLITS.iter().enumerate() {
         let mut where_ = Vec::new();
