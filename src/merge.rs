@@ -706,10 +706,10 @@ fn copy_npy(names: &HdfNames, out: &Path, labels: &[String], first: &Source) -> 
         ))
     })?;
     if features.fingerprint() != first.fingerprint {
-        return Err(refuse(format!(
+        return Err(refuse(
             "--npy: the inputs' feature settings were fingerprinted by another ailhd version; \
-             merge without --npy"
-        )));
+             merge without --npy",
+        ));
     }
     let path_bytes = first
         .datasets
