@@ -45,6 +45,27 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// Only the recordings of shard I of N (by content hash, I from 0), for a scheduler's
+        /// array job; `auto` or `auto/N` take I (and N) from SLURM_ARRAY_TASK_ID/_COUNT or
+        /// JOB_COMPLETION_INDEX.
+        #[arg(long, value_name = "I/N|auto|auto/N")]
+        shard: Option<String>,
+    },
+    /// One set of outputs over several (shards, or several hosts) without copying features:
+    /// HDF5 virtual datasets; one valid row per content (the first input keeps it).
+    Merge {
+        /// Output folders to merge (each holding the three split files), in priority order.
+        #[arg(required = true, value_name = "DIR")]
+        inputs: Vec<PathBuf>,
+        /// Folder for the merged files (empty, or a previous merge).
+        #[arg(long, value_name = "OUT")]
+        into: PathBuf,
+        /// Also write npy/<split>/ columns: COPIES of the merged rows.
+        #[arg(long)]
+        npy: bool,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Files per state, rows per split and label, quarantined files with reasons.
     Status {
@@ -126,17 +147,47 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::Rebuild { device: d, json } => {
+        Command::Rebuild {
+            device: d,
+            json,
+            shard,
+        } => {
             let s = load_settings(&cli)?;
             let dev = device(d, &s)?;
             let ui = Ui {
                 progress: ui.progress && !json,
             };
-            let report = ailhd::rebuild::rebuild(&s, dev, &ui)?;
+            let shard = match shard {
+                Some(v) => ailhd::shard::Shard::parse(v, &|k| std::env::var(k).ok())
+                    .map_err(|e| UsageError(e.to_string()))?,
+                None => ailhd::shard::Shard::ALL,
+            };
+            let report = ailhd::rebuild::rebuild_shard(&s, dev, &ui, shard)?;
             if *json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{}", ailhd::rebuild::summary(&s, &report));
+            }
+            Ok(())
+        }
+        Command::Merge {
+            inputs,
+            into,
+            npy,
+            json,
+        } => {
+            let s = load_settings(&cli)?;
+            let report =
+                ailhd::merge::merge(&s.outputs.hdf5_names, inputs, into, *npy).map_err(|e| {
+                    match e.downcast::<ailhd::merge::Refused>() {
+                        Ok(r) => UsageError(format!("merge refused: {r}")).into(),
+                        Err(e) => e,
+                    }
+                })?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", ailhd::merge::summary(&report));
             }
             Ok(())
         }

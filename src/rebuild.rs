@@ -10,6 +10,7 @@ use crate::features;
 use crate::identity::LabelSet;
 use crate::lock::WriterLock;
 use crate::source::{self, Found};
+use crate::shard::Shard;
 use crate::staging;
 use std::time::{Duration, Instant};
 
@@ -28,6 +29,10 @@ pub struct RebuildReport {
     pub stages: Vec<(&'static str, f64)>,
     pub labels: Vec<String>,
     pub rows_per_label: Vec<u64>,
+    /// `rebuild --shard I/N`: the shard, and the files left to the other shards (not counted
+    /// in `files`).
+    pub shard: Option<String>,
+    pub other_shards: usize,
 }
 
 impl RebuildReport {
@@ -44,6 +49,18 @@ pub fn rebuild(
     settings: &Settings,
     device: DeviceChoice,
     ui: &Ui,
+) -> anyhow::Result<RebuildReport> {
+    rebuild_shard(settings, device, ui, Shard::ALL)
+}
+
+/// `rebuild --shard I/N`: only the recordings that shard I of N owns (by content hash, see
+/// [`crate::shard`]), as an ordinary set of outputs. Files of other shards are hashed and
+/// skipped before decoding; files without a hash (unreadable, rejected paths) go to shard 0.
+pub fn rebuild_shard(
+    settings: &Settings,
+    device: DeviceChoice,
+    ui: &Ui,
+    shard: Shard,
 ) -> anyhow::Result<RebuildReport> {
     let started = Instant::now();
     let _lock = WriterLock::acquire(&settings.paths.state, "rebuild")?;
@@ -92,6 +109,7 @@ pub fn rebuild(
         &staging::manifest_staging(settings),
         labels,
     )?;
+    engine.set_shard(shard);
     let bar = progress_bar(ui.progress, found.len() as u64);
     let mut report = RebuildReport {
         files: found.len(),
@@ -103,10 +121,13 @@ pub fn rebuild(
         stages: Vec::new(),
         labels: engine.labels().to_vec(),
         rows_per_label: Vec::new(),
+        shard: (!shard.is_all()).then(|| shard.to_string()),
+        other_shards: 0,
     };
     let record = |done: Vec<crate::engine::Done>, report: &mut RebuildReport| {
         for d in done {
             report.rows = d.rows;
+            report.other_shards += d.other_shards;
             report
                 .quarantined
                 .extend(d.quarantined.into_iter().map(|(p, r)| (p, r.to_string())));
@@ -135,6 +156,7 @@ pub fn rebuild(
         }
     }
     record(engine.wait()?, &mut report);
+    report.files -= report.other_shards;
     report.labels = engine.labels().to_vec();
     (report.rows_per_label, report.duplicates) =
         rows_per_label(engine.manifest(), report.labels.len())?;
@@ -208,6 +230,13 @@ pub fn summary(settings: &Settings, r: &RebuildReport) -> String {
         r.files_per_sec(),
         r.device
     );
+    if let Some(shard) = &r.shard {
+        let _ = writeln!(
+            s,
+            "  shard {shard}: {} other files left to the other shards",
+            r.other_shards
+        );
+    }
     let _ = writeln!(s, "  duplicates (same bytes, one row): {}", r.duplicates);
     for (split, name) in SPLITS.iter().enumerate() {
         let mut where_ = Vec::new();

@@ -58,6 +58,8 @@ pub struct Done {
     pub latencies: Vec<Duration>,
     /// Rows per split after this batch.
     pub rows: [u64; 3],
+    /// Files of this batch left to other shards (`rebuild --shard`).
+    pub other_shards: usize,
 }
 
 pub struct Engine {
@@ -74,6 +76,10 @@ pub struct Engine {
     writing: Option<JoinHandle<anyhow::Result<Committer>>>,
     /// Batches submitted and not yet reported done.
     in_flight: usize,
+    /// Only recordings of this shard are ingested (`rebuild --shard`).
+    shard: crate::shard::Shard,
+    /// Files of the batch being submitted that belong to other shards.
+    other_shards: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Engine {
@@ -247,7 +253,14 @@ impl Engine {
             featurising: Some(featurising),
             writing: Some(writing),
             in_flight: 0,
+            shard: crate::shard::Shard::ALL,
+            other_shards: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         }
+    }
+
+    /// Ingest only the recordings of `shard`; the others are hashed and left out.
+    pub fn set_shard(&mut self, shard: crate::shard::Shard) {
+        self.shard = shard;
     }
 
     pub fn device(&self) -> &str {
@@ -285,19 +298,39 @@ impl Engine {
         let features = &self.settings.features;
         let shape = &self.shape;
         let times = &*self.times;
+        let shard = self.shard;
+        let other = &*self.other_shards;
         let observations: Vec<Observation> = self.pool.install(|| {
             inputs
                 .into_par_iter()
-                .map(|input| match input {
-                    Input::Load { rel, seen } => {
-                        stages::load(&root, &rel, seen, features, shape, times)
+                .filter_map(|input| {
+                    let o = match input {
+                        Input::Load { rel, seen } => {
+                            stages::load(&root, &rel, seen, features, shape, times, shard)
+                        }
+                        Input::Observe(o) => o,
+                    };
+                    let mine = match &o {
+                        Observation::Loaded(outcome::Loaded {
+                            load: outcome::Load::OtherShard,
+                            ..
+                        }) => false,
+                        Observation::Loaded(outcome::Loaded {
+                            load: outcome::Load::Read { .. },
+                            ..
+                        }) => true,
+                        _ => shard.owns_unhashable(),
+                    };
+                    if !mine {
+                        other.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
-                    Input::Observe(o) => o,
+                    mine.then_some(o)
                 })
                 .collect()
         });
         let t = Instant::now();
-        let plan = self.ledger.decide(&*self.manifest, observations)?;
+        let mut plan = self.ledger.decide(&*self.manifest, observations)?;
+        plan.other_shards = self.other_shards.swap(0, std::sync::atomic::Ordering::Relaxed);
         StageTimes::add(&self.times.decide, t);
         let tx = self
             .to_featurise
@@ -423,6 +456,7 @@ fn done_of(plan: Plan) -> Done {
         counts: plan.counts,
         quarantined: plan.quarantined,
         reread: plan.reread,
+        other_shards: plan.other_shards,
         latencies: plan.seen.iter().map(|t| now.duration_since(*t)).collect(),
         rows: plan.rows,
     }

@@ -52,6 +52,8 @@ pub enum Load {
     Vanished,
     /// Opening or reading failed.
     Unreadable(String),
+    /// Read and hashed, and left to another shard (`rebuild --shard`): not decoded.
+    OtherShard,
     /// Read and hashed; decoded, or why not.
     Read {
         size: u64,

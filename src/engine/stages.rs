@@ -80,6 +80,7 @@ fn load_into(
     features: &FeatureSettings,
     shape: &FeatureShape,
     times: &StageTimes,
+    shard: crate::shard::Shard,
     bytes: &mut Vec<u8>,
 ) -> Load {
     let t = Instant::now();
@@ -101,6 +102,9 @@ fn load_into(
     let t = Instant::now();
     let hash = identity::content_hash(bytes);
     StageTimes::add(&times.hash, t);
+    if !shard.contains(&hash) {
+        return Load::OtherShard;
+    }
     let t = Instant::now();
     let decoded = if bytes.len() as u64 != meta.len() {
         Err(Reason::ChangedWhileRead)

@@ -25,7 +25,8 @@ def rows(out, check_npy):
     res = {}
     valid_hashes = []
     for name, split in zip(names, splits):
-        with h5py.File(os.path.join(out, name), "r") as f:
+        # The service may still be running (idle): read as the trainer does, in SWMR mode.
+        with h5py.File(os.path.join(out, name), "r", libver="latest", swmr=check_npy) as f:
             c = int(f["committed_rows"][0])
             for d in f:
                 if d != "committed_rows":

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Submit a sharded ailhd rebuild to Slurm: an array job of SHARDS tasks, then a merge job that
+# runs once every task has succeeded. The merged outputs land in WORK/merged.
+#   usage: submit.sh RECORDINGS WORK SHARDS
+# Environment passed to the jobs: AILHD (binary), AILHD_CONFIG (settings, the same for every
+# shard), AILHD_MERGE_ARGS (e.g. --npy). RECORDINGS and WORK must be seen by every node.
+set -euo pipefail
+if [ $# -ne 3 ]; then
+    sed -n '4p' "$0" >&2
+    exit 2
+fi
+recordings=$1
+work=$2
+shards=$3
+deploy=$(cd "$(dirname "$0")/.." && pwd)
+script="$deploy/slurm/ailhd-shards.sbatch"
+mkdir -p "$work"
+array=$(sbatch --parsable --chdir="$work" --array="0-$((shards - 1))" \
+    --export="ALL,AILHD_DEPLOY=$deploy" "$script" shard "$recordings" "$work")
+array=${array%%;*}
+merge=$(sbatch --parsable --chdir="$work" --job-name=ailhd-merge --dependency="afterok:$array" \
+    --export="ALL,AILHD_DEPLOY=$deploy" "$script" merge "$work" "$shards")
+echo "submitted shards: job $array (array 0-$((shards - 1))); merge: job ${merge%%;*}"

@@ -1,0 +1,1015 @@
+//! `ailhd merge DIR... --into OUT`: one set of outputs over several (the shards of a sharded
+//! rebuild, or the outputs of several acquisition hosts), without copying features (README,
+//! "Beyond one machine").
+//!
+//! Per split, OUT holds an HDF5 file of the usual name whose row datasets are HDF5 virtual
+//! datasets (VDS, HDF5 1.10+): input after input in argument order, each input's committed rows
+//! at the time of the merge. Three datasets are small real ones:
+//! - `valid`: one valid row per content over all inputs and splits. The first input in argument
+//!   order that holds the content as a valid row keeps it; the same content in later inputs gets
+//!   `valid` = 0 (so do rows that were not valid in their input).
+//! - `labels`: a virtual dataset when every input numbers the labels as the merged list does;
+//!   otherwise a real dataset with the ids remapped by name (the merged list is the first input's
+//!   list, then names first seen in later inputs, in order).
+//! - `committed_rows`: the total.
+//!
+//! The VDS mappings name the inputs' files by paths relative to OUT, so OUT and its inputs can
+//! move together (keeping their relative places); HDF5 resolves them against the merged file's
+//! folder (or `$HDF5_VDS_PREFIX`). OUT also gets `MERGED.json` (what was merged, and the rule),
+//! which marks it as a merge that a later `merge` may replace. A merge is a snapshot: rows that
+//! inputs commit afterwards appear after the merge is run again.
+//!
+//! `--npy` also writes `npy/<split>/` as copies of the merged rows (the only copies merge makes).
+
+use crate::config::{FeatureSettings, HdfNames, SPLITS};
+use crate::output::npy::NpySink;
+use crate::output::{label2id_json, labels_json, OutputHeader, RowMeta, SplitSink};
+use crate::output::{ID_BYTES, OUTPUT_SCHEMA_VERSION};
+use anyhow::{bail, Context, Result};
+use hdf5::dataset::Layout;
+use hdf5::file::{FileAccess, LibraryVersion, OpenMode};
+use hdf5::plist::DatasetCreate;
+use hdf5::types::{TypeDescriptor, VarLenUnicode};
+use hdf5::{Dataset, File, Hyperslab, Selection, SliceOrIndex};
+use hdf5_sys::h5a::H5Aread;
+use hdf5_sys::h5d::{H5Dget_space, H5Dget_type, H5Dread};
+use hdf5_sys::h5i::hid_t;
+use hdf5_sys::h5p::H5P_DEFAULT;
+use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab};
+use hdf5_sys::h5t::H5Tclose;
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+use std::path::{Component, Path, PathBuf};
+
+/// The marker and provenance file of a merged folder.
+pub const MARKER: &str = "MERGED.json";
+
+/// The inputs cannot be merged (exit 2): what differs, in which file.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
+
+fn refuse(msg: impl Into<String>) -> anyhow::Error {
+    Refused(msg.into()).into()
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MergeReport {
+    pub into: PathBuf,
+    pub inputs: Vec<InputReport>,
+    pub splits: Vec<SplitReport>,
+    pub labels: Vec<String>,
+    /// Valid rows of a content that an earlier input already holds (set to `valid` = 0).
+    pub duplicates: u64,
+    /// Of those, the ones whose label differs from the kept row's (examples below).
+    pub label_conflicts: u64,
+    pub label_conflict_examples: Vec<String>,
+    /// Bytes of the merged HDF5 files (the features stay in the inputs).
+    pub hdf5_bytes: u64,
+    /// Bytes of the `--npy` copies, when asked for.
+    pub npy_copy_bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct InputReport {
+    pub dir: PathBuf,
+    /// Committed rows per split, as merged.
+    pub rows: [u64; 3],
+    /// Whether this input's label ids were remapped to the merged list.
+    pub labels_remapped: bool,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SplitReport {
+    pub split: &'static str,
+    pub file: PathBuf,
+    pub rows: u64,
+    pub valid: u64,
+}
+
+/// One input's file for one split, as read for the merge.
+struct Source {
+    /// The file, canonical.
+    path: PathBuf,
+    committed: u64,
+    labels: Vec<String>,
+    fingerprint: String,
+    config_json: String,
+    /// Row datasets: name -> (type, row dims).
+    datasets: Vec<(String, TypeDescriptor, Vec<usize>)>,
+    blake3: Vec<[u8; 32]>,
+    valid: Vec<u8>,
+    label_ids: Vec<i16>,
+}
+
+/// Merge the outputs in `inputs` (folders holding the three split files named `names`) into
+/// `into`. With `npy`, also write `npy/<split>/` copies.
+pub fn merge(names: &HdfNames, inputs: &[PathBuf], into: &Path, npy: bool) -> Result<MergeReport> {
+    if inputs.is_empty() {
+        return Err(refuse("merge: no input folders given"));
+    }
+    let mut dirs = Vec::new();
+    for dir in inputs {
+        let canon = dir
+            .canonicalize()
+            .map_err(|e| refuse(format!("{}: {e}", dir.display())))?;
+        if !canon.is_dir() {
+            return Err(refuse(format!("{}: not a folder", dir.display())));
+        }
+        if dirs.contains(&canon) {
+            return Err(refuse(format!(
+                "{}: given twice (as {})",
+                dir.display(),
+                canon.display()
+            )));
+        }
+        dirs.push(canon);
+    }
+    prepare_into(into, &dirs)?;
+    let out = into
+        .canonicalize()
+        .with_context(|| format!("{}: cannot resolve", into.display()))?;
+    let _lock = crate::lock::WriterLock::acquire(&out, "merge")?;
+
+    // Read every input's files (attributes, committed rows, blake3, valid, labels) and check
+    // that they fit together, before anything is written.
+    let mut sources: Vec<[Source; 3]> = Vec::new();
+    for dir in &dirs {
+        let files: Vec<Source> = (0..3)
+            .map(|split| read_source(&dir.join(names.for_split(split))))
+            .collect::<Result<_>>()?;
+        sources.push(files.try_into().map_err(|_| ()).expect("three splits"));
+    }
+    let first = &sources[0][0];
+    for src in sources.iter().flatten() {
+        check_compatible(first, src)?;
+    }
+
+    // The merged label list and each file's id map.
+    let mut labels: Vec<String> = first.labels.clone();
+    for src in sources.iter().flatten() {
+        for name in &src.labels {
+            if !labels.contains(name) {
+                labels.push(name.clone());
+            }
+        }
+    }
+    let maps: Vec<[Vec<i16>; 3]> = sources
+        .iter()
+        .map(|files| {
+            files.each_ref().map(|src| {
+                src.labels
+                    .iter()
+                    .map(|n| labels.iter().position(|m| m == n).expect("merged") as i16)
+                    .collect()
+            })
+        })
+        .collect();
+    let remapped = |i: usize, split: usize| {
+        maps[i][split]
+            .iter()
+            .enumerate()
+            .any(|(a, &b)| a as i16 != b)
+    };
+    if labels.len() > i16::MAX as usize {
+        return Err(refuse("merge: more than 32767 label names over the inputs"));
+    }
+
+    // One valid row per content: the first input (argument order) holding it as a valid row.
+    let mut kept: HashMap<[u8; 32], (usize, usize, u64, i16)> = HashMap::new();
+    let mut valid: [Vec<u8>; 3] = Default::default();
+    let mut merged_labels: [Vec<i16>; 3] = Default::default();
+    let mut duplicates = 0;
+    let mut conflicts = Vec::new();
+    for (i, files) in sources.iter().enumerate() {
+        for (split, src) in files.iter().enumerate() {
+            for row in 0..src.committed as usize {
+                let id = src.label_ids[row];
+                let label = usize::try_from(id)
+                    .ok()
+                    .and_then(|k| maps[i][split].get(k).copied())
+                    .unwrap_or(id);
+                merged_labels[split].push(label);
+                let mut v = src.valid[row];
+                if v != 0 {
+                    v = 1;
+                    match kept.get(&src.blake3[row]) {
+                        None => {
+                            kept.insert(src.blake3[row], (i, split, row as u64, label));
+                        }
+                        Some(&(ki, ks, krow, klabel)) => {
+                            v = 0;
+                            duplicates += 1;
+                            if klabel != label {
+                                conflicts
+                                    .push(((ki, ks, krow, klabel), (i, split, row as u64, label)));
+                            }
+                        }
+                    }
+                }
+                valid[split].push(v);
+            }
+        }
+    }
+    let label_conflict_examples = conflicts
+        .iter()
+        .take(10)
+        .map(|(a, b)| {
+            let describe = |&(i, split, row, label): &(usize, usize, u64, i16)| {
+                let path = read_source_path(&sources[i][split].path, row)
+                    .unwrap_or_else(|e| format!("<{e:#}>"));
+                format!(
+                    "{} row {row} ({path}, label {})",
+                    sources[i][split].path.display(),
+                    labels.get(label as usize).map_or("?", |s| s.as_str())
+                )
+            };
+            format!("kept {}; dropped {}", describe(a), describe(b))
+        })
+        .collect();
+
+    let mut report = MergeReport {
+        into: out.clone(),
+        inputs: dirs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| InputReport {
+                dir: d.clone(),
+                rows: [0, 1, 2].map(|s| sources[i][s].committed),
+                labels_remapped: (0..3).any(|s| remapped(i, s)),
+            })
+            .collect(),
+        splits: Vec::new(),
+        labels: labels.clone(),
+        duplicates,
+        label_conflicts: conflicts.len() as u64,
+        label_conflict_examples,
+        hdf5_bytes: 0,
+        npy_copy_bytes: None,
+    };
+
+    let created = crate::output::header_attributes(&OutputHeader {
+        labels: labels.clone(),
+        features: FeatureSettings::default(),
+        path_bytes: 0,
+    })
+    .into_iter()
+    .find(|(k, _)| *k == "created_at_utc")
+    .map(|(_, v)| v)
+    .unwrap_or_default();
+    let marker = serde_json::json!({
+        "what": "ailhd merge: virtual datasets over the inputs' files; features are not copied",
+        "rule": "one valid row per content: the first input (in this order) holding it as a valid row keeps it",
+        "created_at_utc": created,
+        "ailhd_version": env!("CARGO_PKG_VERSION"),
+        "inputs": dirs.iter().enumerate().map(|(i, d)| serde_json::json!({
+            "dir": relative_path(&out, d),
+            "rows": ([0, 1, 2].map(|s| sources[i][s].committed)),
+            "labels_remapped": (0..3).any(|s| remapped(i, s)),
+        })).collect::<Vec<_>>(),
+        "npy_copies": npy,
+    });
+
+    for split in 0..3 {
+        let path = out.join(names.for_split(split));
+        let files: Vec<&Source> = sources.iter().map(|f| &f[split]).collect();
+        let real_labels = (0..sources.len()).any(|i| remapped(i, split));
+        write_merged(
+            &path,
+            &out,
+            &files,
+            &valid[split],
+            real_labels.then_some(&merged_labels[split][..]),
+            &labels,
+            &created,
+        )?;
+        report.hdf5_bytes += std::fs::metadata(&path)?.len();
+        report.splits.push(SplitReport {
+            split: SPLITS[split],
+            file: path,
+            rows: valid[split].len() as u64,
+            valid: valid[split].iter().map(|&v| v as u64).sum(),
+        });
+    }
+    write_atomically(&out.join(MARKER), &serde_json::to_vec_pretty(&marker)?)?;
+
+    if npy {
+        report.npy_copy_bytes = Some(copy_npy(names, &out, &labels, &sources[0][0])?);
+    } else if out.join("npy").exists() {
+        // A previous merge's copies would no longer match.
+        std::fs::remove_dir_all(out.join("npy"))
+            .with_context(|| format!("{}: removing old npy copies", out.display()))?;
+    }
+    Ok(report)
+}
+
+/// Make sure `into` may receive a merge: absent, empty, or a previous merge (it has
+/// [`MARKER`]); not one of the inputs, not inside one.
+fn prepare_into(into: &Path, inputs: &[PathBuf]) -> Result<()> {
+    if into.exists() {
+        let canon = into.canonicalize()?;
+        if let Some(d) = inputs.iter().find(|d| canon.starts_with(d)) {
+            return Err(refuse(format!(
+                "--into {}: is (inside) the input {}; merge into a folder of its own",
+                into.display(),
+                d.display()
+            )));
+        }
+        let mut entries = std::fs::read_dir(into)
+            .with_context(|| format!("--into {}", into.display()))?
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name())
+            .filter(|n| n != "ailhd.lock");
+        let empty = entries.next().is_none();
+        if !empty && !into.join(MARKER).exists() {
+            return Err(refuse(format!(
+                "--into {}: not empty and not a previous merge (no {MARKER}); refusing to \
+                 overwrite it (it may hold real outputs): choose an empty folder",
+                into.display()
+            )));
+        }
+    }
+    std::fs::create_dir_all(into).with_context(|| format!("creating {}", into.display()))
+}
+
+fn file_access() -> Result<FileAccess> {
+    Ok(FileAccess::build()
+        .libver_bounds(LibraryVersion::V110, LibraryVersion::V110)
+        .file_locking(false)
+        .finish()?)
+}
+
+/// Open an input read-only, without taking a file lock (a writer may be appending to it: then
+/// in SWMR mode, which is how HDF5 lets a file open for writing be read).
+fn open_input(path: &Path) -> Result<File> {
+    if !path.exists() {
+        return Err(refuse(format!(
+            "{}: no such file; each input must be an ailhd output folder holding the three \
+             split files (outputs.hdf5_names)",
+            path.display()
+        )));
+    }
+    let fapl = file_access()?;
+    match File::with_options().set_fapl(&fapl)?.open(path) {
+        Ok(f) => Ok(f),
+        Err(plain) => File::with_options()
+            .set_fapl(&fapl)?
+            .open_as(path, OpenMode::ReadSWMR)
+            .map_err(|swmr| {
+                refuse(format!(
+                    "{}: cannot be opened as HDF5 ({plain}; in SWMR mode: {swmr})",
+                    path.display()
+                ))
+            }),
+    }
+}
+
+fn read_source(path: &Path) -> Result<Source> {
+    let file = open_input(path)?;
+    let path = path.canonicalize()?;
+    let bad = |what: String| refuse(format!("{}: {what}", path.display()));
+    let schema = file
+        .attr("schema_version")
+        .and_then(|a| a.read_scalar::<u32>())
+        .map_err(|e| {
+            bad(format!(
+                "no readable schema_version ({e}): not an ailhd output"
+            ))
+        })?;
+    if schema != OUTPUT_SCHEMA_VERSION {
+        return Err(bad(format!(
+            "output layout version {schema}; this ailhd merges version {OUTPUT_SCHEMA_VERSION} \
+             (rebuild it with this version)"
+        )));
+    }
+    if file.attr("merged_from_json").is_ok() {
+        return Err(bad(
+            "is itself a merge; merge the original outputs instead (a merge of merges would \
+             chain virtual datasets)"
+                .into(),
+        ));
+    }
+    let text = |name: &str| read_text_attr(&file, name).map_err(|e| bad(format!("{e:#}")));
+    let fingerprint = text("feature_fingerprint")?;
+    let config_json = text("config_json")?;
+    let labels: Vec<String> = serde_json::from_str(&text("labels_json")?)
+        .map_err(|e| bad(format!("labels_json is not a JSON list of names ({e})")))?;
+    let committed = match file
+        .dataset("committed_rows")
+        .and_then(|d| d.read_raw::<i64>())
+        .map_err(|e| bad(format!("no committed_rows ({e})")))?
+        .as_slice()
+    {
+        [c] if *c >= 0 => *c as u64,
+        other => {
+            return Err(bad(format!(
+                "committed_rows holds {other:?}, not one count"
+            )))
+        }
+    };
+    let mut datasets = Vec::new();
+    for name in file.member_names()? {
+        if name == "committed_rows" {
+            continue;
+        }
+        let ds = file
+            .dataset(&name)
+            .map_err(|e| bad(format!("{name}: {e}")))?;
+        let shape = ds.shape();
+        if shape.is_empty() || (shape[0] as u64) < committed {
+            return Err(bad(format!(
+                "dataset {name} has shape {shape:?}, fewer than committed_rows = {committed} rows"
+            )));
+        }
+        datasets.push((name, ds.dtype()?.to_descriptor()?, shape[1..].to_vec()));
+    }
+    for need in ["blake3", "valid", "labels", "segments_mel", "source_path"] {
+        if !datasets.iter().any(|(n, _, _)| n == need) {
+            return Err(bad(format!("no dataset {need}: not an ailhd output")));
+        }
+    }
+    let raw = |name: &str| -> Result<Vec<u8>> {
+        let ds = file.dataset(name)?;
+        read_rows(&ds, 0, committed).with_context(|| format!("{}: reading {name}", path.display()))
+    };
+    let blake3 = raw("blake3")?
+        .chunks_exact(32)
+        .map(|c| c.try_into().unwrap())
+        .collect();
+    let valid = raw("valid")?;
+    let label_ids = raw("labels")?
+        .chunks_exact(2)
+        .map(|c| i16::from_le_bytes([c[0], c[1]]))
+        .collect();
+    Ok(Source {
+        path,
+        committed,
+        labels,
+        fingerprint,
+        config_json,
+        datasets,
+        blake3,
+        valid,
+        label_ids,
+    })
+}
+
+fn check_compatible(first: &Source, src: &Source) -> Result<()> {
+    if src.fingerprint != first.fingerprint {
+        return Err(refuse(format!(
+            "{} and {} were made with different feature settings (feature_fingerprint {} vs \
+             {}; config_json {} vs {}): their rows cannot be merged",
+            first.path.display(),
+            src.path.display(),
+            first.fingerprint,
+            src.fingerprint,
+            first.config_json,
+            src.config_json
+        )));
+    }
+    let names = |s: &Source| s.datasets.iter().map(|d| d.0.clone()).collect::<Vec<_>>();
+    if names(src) != names(first) {
+        return Err(refuse(format!(
+            "{} has datasets {:?}, {} has {:?}: not the same output layout",
+            first.path.display(),
+            names(first),
+            src.path.display(),
+            names(src)
+        )));
+    }
+    for (a, b) in first.datasets.iter().zip(&src.datasets) {
+        if a != b {
+            let hint = if a.0 == "source_path" {
+                " (outputs.path_bytes differs: set it alike on every host and rebuild)"
+            } else {
+                ""
+            };
+            return Err(refuse(format!(
+                "dataset {}: {:?} rows of {:?} in {}, {:?} rows of {:?} in {}{hint}",
+                a.0,
+                a.1,
+                a.2,
+                first.path.display(),
+                b.1,
+                b.2,
+                src.path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Write one merged split file: built as `<path>.partial`, renamed into place when complete.
+#[allow(clippy::too_many_arguments)]
+fn write_merged(
+    path: &Path,
+    out: &Path,
+    files: &[&Source],
+    valid: &[u8],
+    real_labels: Option<&[i16]>,
+    labels: &[String],
+    created: &str,
+) -> Result<()> {
+    let partial = path.with_file_name(format!(
+        "{}.partial",
+        path.file_name().unwrap_or_default().to_string_lossy()
+    ));
+    let _ = std::fs::remove_file(&partial);
+    let total: u64 = files.iter().map(|f| f.committed).sum();
+    let inputs_json: Vec<serde_json::Value> = {
+        let mut first_row = 0;
+        files
+            .iter()
+            .map(|f| {
+                let v = serde_json::json!({
+                    "file": relative_path(out, &f.path),
+                    "first_row": first_row,
+                    "rows": f.committed,
+                });
+                first_row += f.committed;
+                v
+            })
+            .collect()
+    };
+    let build = || -> Result<()> {
+        let file = File::with_options()
+            .set_fapl(&file_access()?)?
+            .create_excl(&partial)
+            .with_context(|| format!("{}: creating", partial.display()))?;
+        for (name, dtype, row_dims) in &files[0].datasets {
+            let mut shape = vec![total as usize];
+            shape.extend(row_dims);
+            match name.as_str() {
+                "valid" => real_dataset(&file, name, dtype, &shape, valid)?,
+                "labels" if real_labels.is_some() => {
+                    let ids = real_labels.unwrap();
+                    real_dataset(&file, name, dtype, &shape, bytemuck::cast_slice(ids))?
+                }
+                _ => virtual_dataset(&file, name, dtype, &shape, out, files)?,
+            }
+        }
+        let committed = file
+            .new_dataset::<i64>()
+            .shape(1)
+            .layout(Layout::Compact)
+            .create("committed_rows")?;
+        committed.write(&[total as i64])?;
+        let first = files[0];
+        let attrs = [
+            ("labels_json", labels_json(labels)),
+            ("label2id_json", label2id_json(labels)),
+            ("config_json", first.config_json.clone()),
+            ("created_at_utc", created.to_string()),
+            ("ailhd_version", env!("CARGO_PKG_VERSION").to_string()),
+            ("feature_fingerprint", first.fingerprint.clone()),
+            (
+                "merged_from_json",
+                serde_json::to_string(&inputs_json).unwrap(),
+            ),
+        ];
+        for (name, value) in attrs {
+            let v: VarLenUnicode = value
+                .parse()
+                .map_err(|e| anyhow::anyhow!("attribute {name}: {e}"))?;
+            file.new_attr::<VarLenUnicode>()
+                .create(name)?
+                .write_scalar(&v)?;
+        }
+        file.new_attr::<u32>()
+            .create("schema_version")?
+            .write_scalar(&OUTPUT_SCHEMA_VERSION)?;
+        file.flush()?;
+        file.close()?;
+        Ok(())
+    };
+    build().with_context(|| format!("{}: writing the merged file", partial.display()))?;
+    std::fs::File::open(&partial)?.sync_all()?;
+    std::fs::rename(&partial, path)
+        .with_context(|| format!("renaming {} into place", partial.display()))?;
+    sync_dir(out)
+}
+
+fn real_dataset(
+    file: &File,
+    name: &str,
+    dtype: &TypeDescriptor,
+    shape: &[usize],
+    bytes: &[u8],
+) -> Result<()> {
+    let ds = file
+        .new_dataset_builder()
+        .empty_as(dtype)
+        .shape(shape.to_vec())
+        .create(name)?;
+    if !bytes.is_empty() {
+        write_all(&ds, bytes)?;
+    }
+    Ok(())
+}
+
+/// A virtual dataset of `shape` over dataset `name` of every file, row blocks in order.
+fn virtual_dataset(
+    file: &File,
+    name: &str,
+    dtype: &TypeDescriptor,
+    shape: &[usize],
+    out: &Path,
+    files: &[&Source],
+) -> Result<()> {
+    let mut dcpl = DatasetCreate::build();
+    dcpl.layout(Layout::Virtual);
+    let mut first = 0usize;
+    for f in files {
+        let rows = f.committed as usize;
+        if rows == 0 {
+            continue;
+        }
+        let mut src_shape = vec![rows];
+        src_shape.extend(&shape[1..]);
+        let rows_of = |start: usize, dims: &[usize]| -> Selection {
+            let mut s = vec![SliceOrIndex::SliceTo {
+                start,
+                step: 1,
+                end: start + dims[0],
+                block: 1,
+            }];
+            s.extend(dims[1..].iter().map(|&d| SliceOrIndex::SliceTo {
+                start: 0,
+                step: 1,
+                end: d,
+                block: 1,
+            }));
+            Selection::Hyperslab(Hyperslab::from(s))
+        };
+        let source = relative_path(out, &f.path);
+        // HDF5 reads `%` in a source file name as a printf-style field (`%b`); `%%` is a `%`.
+        let source = source.replace('%', "%%");
+        dcpl.virtual_map(
+            &source,
+            name,
+            src_shape.clone(),
+            rows_of(0, &src_shape),
+            shape.to_vec(),
+            rows_of(first, &src_shape),
+        );
+        first += rows;
+    }
+    let dcpl = dcpl.finish()?;
+    file.new_dataset_builder()
+        .empty_as(dtype)
+        .shape(shape.to_vec())
+        .set_dcpl(&dcpl)
+        .create(name)
+        .with_context(|| format!("creating virtual dataset {name}"))?;
+    Ok(())
+}
+
+/// `to` relative to the folder `from` (both absolute, canonical), `/`-separated.
+fn relative_path(from: &Path, to: &Path) -> String {
+    let a: Vec<Component> = from.components().collect();
+    let b: Vec<Component> = to.components().collect();
+    let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    let mut parts: Vec<String> = vec!["..".into(); a.len() - common];
+    parts.extend(
+        b[common..]
+            .iter()
+            .map(|c| c.as_os_str().to_string_lossy().into_owned()),
+    );
+    if parts.is_empty() {
+        ".".into()
+    } else {
+        parts.join("/")
+    }
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("json.partial");
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {}", tmp.display()))?;
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("syncing {}", dir.display()))
+}
+
+/// Copy the merged rows into `npy/<split>/` (through the merged files' virtual datasets).
+/// Built beside the old copies and swapped in when complete. Returns the bytes written.
+fn copy_npy(names: &HdfNames, out: &Path, labels: &[String], first: &Source) -> Result<u64> {
+    let features: FeatureSettings = serde_json::from_str(&first.config_json).map_err(|e| {
+        refuse(format!(
+            "--npy: config_json of {} cannot be read by this ailhd ({e}); merge without --npy",
+            first.path.display()
+        ))
+    })?;
+    if features.fingerprint() != first.fingerprint {
+        return Err(refuse(
+            "--npy: the inputs' feature settings were fingerprinted by another ailhd version; \
+             merge without --npy",
+        ));
+    }
+    let path_bytes = first
+        .datasets
+        .iter()
+        .find(|d| d.0 == "source_path")
+        .map(|d| match d.1 {
+            TypeDescriptor::FixedUnicode(n) | TypeDescriptor::FixedAscii(n) => n,
+            _ => 0,
+        })
+        .unwrap_or(0);
+    let header = OutputHeader {
+        labels: labels.to_vec(),
+        features,
+        path_bytes,
+    };
+    let building = out.join("npy.partial");
+    if building.exists() {
+        std::fs::remove_dir_all(&building)?;
+    }
+    let mut bytes = 0;
+    for (split, split_name) in SPLITS.iter().enumerate() {
+        let dir = building.join(split_name);
+        std::fs::create_dir_all(&building)?;
+        let mut sink = NpySink::create(&dir, &header)?;
+        let file = File::with_options()
+            .set_fapl(&file_access()?)?
+            .open(out.join(names.for_split(split)))?;
+        let n = file.dataset("committed_rows")?.read_raw::<i64>()?[0] as u64;
+        let store_waveform = header.features.store_waveform;
+        const BLOCK: u64 = 1024;
+        let mut row = 0;
+        while row < n {
+            let k = BLOCK.min(n - row);
+            let col = |name: &str| -> Result<Vec<u8>> { read_rows(&file.dataset(name)?, row, k) };
+            let (mel, labels_b, valid, blake3) = (
+                col("segments_mel")?,
+                col("labels")?,
+                col("valid")?,
+                col("blake3")?,
+            );
+            let (paths, sensors, recs) =
+                (col("source_path")?, col("sensor_id")?, col("recording_id")?);
+            let (at, gain) = (col("recorded_at")?, col("gain_db")?);
+            let waveform = if store_waveform {
+                Some(
+                    col("segments_waveform")?
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                        .collect::<Vec<f32>>(),
+                )
+            } else {
+                None
+            };
+            let text = |b: &[u8]| -> String {
+                let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+                String::from_utf8_lossy(&b[..end]).into_owned()
+            };
+            let meta: Vec<RowMeta> = (0..k as usize)
+                .map(|i| RowMeta {
+                    label: i16::from_le_bytes([labels_b[2 * i], labels_b[2 * i + 1]]),
+                    blake3: blake3[32 * i..32 * i + 32].try_into().unwrap(),
+                    source_path: text(&paths[path_bytes * i..path_bytes * (i + 1)]),
+                    sensor_id: text(&sensors[ID_BYTES * i..ID_BYTES * (i + 1)]),
+                    recording_id: text(&recs[ID_BYTES * i..ID_BYTES * (i + 1)]),
+                    recorded_at: i64::from_le_bytes(at[8 * i..8 * i + 8].try_into().unwrap()),
+                    gain_db: f32::from_le_bytes(gain[4 * i..4 * i + 4].try_into().unwrap()),
+                })
+                .collect();
+            let mel: Vec<half::f16> = mel
+                .chunks_exact(2)
+                .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+                .collect();
+            let first_row = sink.append(&mel, waveform.as_deref(), &meta)?;
+            for (i, &v) in valid.iter().enumerate() {
+                if v == 0 {
+                    sink.set_valid(first_row + i as u64, false)?;
+                }
+            }
+            row += k;
+        }
+        sink.commit()?;
+        Box::new(sink).close()?;
+        for e in std::fs::read_dir(&dir)? {
+            bytes += e?.metadata()?.len();
+        }
+    }
+    let old = out.join("npy.old");
+    if old.exists() {
+        std::fs::remove_dir_all(&old)?;
+    }
+    if out.join("npy").exists() {
+        std::fs::rename(out.join("npy"), &old)?;
+    }
+    std::fs::rename(&building, out.join("npy"))?;
+    sync_dir(out)?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old)?;
+    }
+    Ok(bytes)
+}
+
+/// `source_path` of one row of an input file (for messages).
+fn read_source_path(path: &Path, row: u64) -> Result<String> {
+    let file = open_input(path)?;
+    let bytes = read_rows(&file.dataset("source_path")?, row, 1)?;
+    let end = bytes.iter().position(|&c| c == 0).unwrap_or(bytes.len());
+    Ok(String::from_utf8_lossy(&bytes[..end]).into_owned())
+}
+
+/// Rows `first..first + rows` of `ds` as the bytes of its own element type (no conversion).
+fn read_rows(ds: &Dataset, first: u64, rows: u64) -> Result<Vec<u8>> {
+    let row_dims: Vec<u64> = ds.shape()[1..].iter().map(|&d| d as u64).collect();
+    let mut start = vec![first];
+    start.extend(row_dims.iter().map(|_| 0));
+    let mut count = vec![rows];
+    count.extend(&row_dims);
+    let elements: u64 = count.iter().product();
+    if elements == 0 {
+        return Ok(Vec::new());
+    }
+    hdf5::sync::sync(|| unsafe {
+        let dtype = Id(hdf5::h5check(H5Dget_type(ds.id()))?, H5Tclose);
+        let size = hdf5_sys::h5t::H5Tget_size(dtype.0);
+        let mut buf = vec![0u8; size * elements as usize];
+        let file_space = Id(hdf5::h5check(H5Dget_space(ds.id()))?, H5Sclose);
+        hdf5::h5check(H5Sselect_hyperslab(
+            file_space.0,
+            H5S_seloper_t::H5S_SELECT_SET,
+            start.as_ptr(),
+            std::ptr::null(),
+            count.as_ptr(),
+            std::ptr::null(),
+        ))?;
+        let mem_space = Id(
+            hdf5::h5check(H5Screate_simple(
+                count.len() as c_int,
+                count.as_ptr(),
+                std::ptr::null(),
+            ))?,
+            H5Sclose,
+        );
+        hdf5::h5check(H5Dread(
+            ds.id(),
+            dtype.0,
+            mem_space.0,
+            file_space.0,
+            H5P_DEFAULT,
+            buf.as_mut_ptr() as *mut c_void,
+        ))?;
+        Ok(buf)
+    })
+}
+
+/// Write the whole of `ds` from `bytes` (its own element type).
+fn write_all(ds: &Dataset, bytes: &[u8]) -> Result<()> {
+    hdf5::sync::sync(|| unsafe {
+        let dtype = Id(hdf5::h5check(H5Dget_type(ds.id()))?, H5Tclose);
+        let size = hdf5_sys::h5t::H5Tget_size(dtype.0);
+        let elements: usize = ds.shape().iter().product();
+        if size * elements != bytes.len() {
+            bail!(
+                "{} bytes for {elements} elements of {size} bytes",
+                bytes.len()
+            );
+        }
+        hdf5::h5check(hdf5_sys::h5d::H5Dwrite(
+            ds.id(),
+            dtype.0,
+            hdf5_sys::h5s::H5S_ALL,
+            hdf5_sys::h5s::H5S_ALL,
+            H5P_DEFAULT,
+            bytes.as_ptr() as *const c_void,
+        ))?;
+        Ok(())
+    })
+}
+
+/// An HDF5 id closed on drop by its close function.
+struct Id(hid_t, unsafe extern "C" fn(hid_t) -> hdf5_sys::h5::herr_t);
+
+impl Drop for Id {
+    fn drop(&mut self) {
+        unsafe {
+            (self.1)(self.0);
+        }
+    }
+}
+
+/// Read a string attribute, variable- or fixed-length (NUL padding removed).
+fn read_text_attr(file: &File, name: &str) -> Result<String> {
+    let attr = file
+        .attr(name)
+        .map_err(|e| anyhow::anyhow!("no attribute {name} ({e})"))?;
+    let dtype = attr.dtype()?;
+    match dtype.to_descriptor()? {
+        TypeDescriptor::VarLenUnicode => Ok(attr.read_scalar::<VarLenUnicode>()?.as_str().into()),
+        TypeDescriptor::FixedUnicode(n) | TypeDescriptor::FixedAscii(n) => {
+            let mut buf = vec![0u8; n];
+            hdf5::sync::sync(|| unsafe {
+                hdf5::h5check(H5Aread(
+                    attr.id(),
+                    dtype.id(),
+                    buf.as_mut_ptr() as *mut c_void,
+                ))
+            })?;
+            let end = buf.iter().position(|&b| b == 0).unwrap_or(n);
+            buf.truncate(end);
+            String::from_utf8(buf).with_context(|| format!("attribute {name} is not UTF-8"))
+        }
+        other => bail!("attribute {name} is {other:?}, not a string"),
+    }
+}
+
+/// Human summary of a merge (stdout of `merge`).
+pub fn summary(r: &MergeReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let rows: u64 = r.splits.iter().map(|x| x.rows).sum();
+    let valid: u64 = r.splits.iter().map(|x| x.valid).sum();
+    let _ = writeln!(
+        s,
+        "merged {} inputs -> {} rows ({} valid) in {} (virtual datasets: features not copied; \
+         {:.1} MB of HDF5)",
+        r.inputs.len(),
+        rows,
+        valid,
+        r.into.display(),
+        r.hdf5_bytes as f64 / 1e6
+    );
+    for i in &r.inputs {
+        let _ = writeln!(
+            s,
+            "  input {}: {} / {} / {} rows{}",
+            i.dir.display(),
+            i.rows[0],
+            i.rows[1],
+            i.rows[2],
+            if i.labels_remapped {
+                " (label ids remapped)"
+            } else {
+                ""
+            }
+        );
+    }
+    for x in &r.splits {
+        let _ = writeln!(
+            s,
+            "  {:<10} {:>8} rows {:>8} valid  {}",
+            x.split,
+            x.rows,
+            x.valid,
+            x.file.display()
+        );
+    }
+    let _ = writeln!(
+        s,
+        "  same content in several inputs: {} rows set valid = 0 (the first input keeps it)",
+        r.duplicates
+    );
+    if r.label_conflicts > 0 {
+        let _ = writeln!(
+            s,
+            "  label conflicts (same content, other label): {}",
+            r.label_conflicts
+        );
+        for e in &r.label_conflict_examples {
+            let _ = writeln!(s, "    {e}");
+        }
+    }
+    match r.npy_copy_bytes {
+        Some(b) => {
+            let _ = writeln!(
+                s,
+                "  npy: {}/npy/ written as COPIES of the merged rows ({:.1} MB)",
+                r.into.display(),
+                b as f64 / 1e6
+            );
+        }
+        None => {
+            let _ = writeln!(s, "  npy: none (ask with --npy; they are copies)");
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_paths_climb_to_the_common_folder() {
+        let p = |s: &str| PathBuf::from(s);
+        assert_eq!(
+            relative_path(&p("/a/b/merged"), &p("/a/b/shard-0/T.H5")),
+            "../shard-0/T.H5"
+        );
+        assert_eq!(relative_path(&p("/a"), &p("/a/x/T.H5")), "x/T.H5");
+        assert_eq!(
+            relative_path(&p("/a/b/c"), &p("/d/T.H5")),
+            "../../../d/T.H5"
+        );
+    }
+}

@@ -1,0 +1,470 @@
+//! `rebuild --shard I/N` and `merge DIR... --into OUT` with the real binary, read as users read
+//! them: h5py (plain and SWMR), numpy for the `--npy` copies, and Debian 12's `h5dump` 1.10.8
+//! (package hdf5-tools, installed by .ci/setup) as the HDF5 1.10 reader. Also the deploy files:
+//! `bash -n` and shellcheck for the scripts, a YAML parse of the Kubernetes manifest.
+
+mod common;
+use common::{bin, ok, python};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const LABELS: [&str; 5] = ["BACKGROUND", "CRACK", "LEAK", "NORMAL", "UNCLASSIFIED"];
+const NAMES: [&str; 3] = [
+    "TRAINING_DATASET.H5",
+    "VALIDATION_DATASET.H5",
+    "TESTING_DATASET.H5",
+];
+
+/// A configuration for recordings `rec` writing under `base/{out,state}`.
+fn config(base: &Path, rec: &Path, extra: &str) -> PathBuf {
+    std::fs::create_dir_all(base).unwrap();
+    let path = base.join("ailhd.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[paths]\nrecordings = {:?}\noutput = {:?}\nstate = {:?}\n{extra}\n",
+            rec,
+            base.join("out"),
+            base.join("state")
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn ailhd(config: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(bin());
+    c.arg("--config").arg(config).args(args);
+    c.env_remove("AILHD_CONFIG");
+    for v in ["SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"] {
+        c.env_remove(v);
+    }
+    c
+}
+
+fn run(config: &Path, args: &[&str]) -> Output {
+    ailhd(config, args).output().unwrap()
+}
+
+fn refused(o: &Output, words: &[&str]) -> String {
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "expected exit 2 (refused); stdout {}; stderr {err}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    for w in words {
+        assert!(err.contains(w), "the reason should mention {w:?}: {err}");
+    }
+    err
+}
+
+fn status(config: &Path) -> serde_json::Value {
+    serde_json::from_str(&ok(&run(config, &["status", "--json"]))).unwrap()
+}
+
+/// Synthetic clips in every label folder, a second path with the same bytes, and files that
+/// are quarantined (truncated, unknown label folder, outside any label folder).
+fn write_tree(rec: &Path, per_label: usize, seed: u64) -> Vec<PathBuf> {
+    let files = ailhd::synth::write_tree(rec, &LABELS, per_label, seed).unwrap();
+    let bytes = std::fs::read(&files[0]).unwrap();
+    std::fs::write(rec.join("NORMAL/copy_of_first.wav"), &bytes).unwrap();
+    std::fs::write(rec.join("LEAK/truncated.wav"), &bytes[..bytes.len() / 2]).unwrap();
+    std::fs::create_dir_all(rec.join("PUMP")).unwrap();
+    std::fs::write(rec.join("PUMP/unknown_label.wav"), &bytes[..1000]).unwrap();
+    std::fs::write(rec.join("stray.wav"), &bytes[..2000]).unwrap();
+    files
+}
+
+fn h5dump() -> PathBuf {
+    let found = std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join("h5dump"))
+            .find(|f| f.is_file())
+    });
+    found.expect(
+        "h5dump is needed as the HDF5 1.10 reader (Debian 12: apt-get install hdf5-tools; \
+         `. .ci/setup` installs it)",
+    )
+}
+
+/// The bytes h5dump (`-b FILE`: as stored; its `-b LE` writes nothing for float16) (run from another folder, so the virtual datasets' relative source paths
+/// must resolve against the merged file's folder) reads from `col` of each merged file.
+fn h5dump_bins(merged: &Path, into: &Path) -> serde_json::Value {
+    let mut spec = serde_json::Map::new();
+    for name in NAMES {
+        let mut cols = serde_json::Map::new();
+        for col in ["segments_mel", "blake3", "labels"] {
+            let out = into.join(format!("{name}.{col}.bin"));
+            let o = Command::new(h5dump())
+                .current_dir("/")
+                .args(["-d", col, "-b", "FILE", "-o"])
+                .arg(&out)
+                .arg(merged.join(name))
+                .output()
+                .unwrap();
+            assert!(
+                o.status.success(),
+                "h5dump {col} of {name}: {}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+            cols.insert(col.into(), out.to_str().unwrap().into());
+        }
+        spec.insert(name.into(), cols.into());
+    }
+    spec.into()
+}
+
+fn check(mode: &str, spec: serde_json::Value, dir: &Path) -> String {
+    let path = dir.join(format!("spec-{mode}.json"));
+    std::fs::write(&path, serde_json::to_vec_pretty(&spec).unwrap()).unwrap();
+    python("merge_check.py", &[mode, path.to_str().unwrap()])
+}
+
+#[test]
+fn shards_then_merge_equal_one_rebuild() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Everything under one folder that is moved before reading: the merged files must follow
+    // their inputs.
+    let site = tmp.path().join("site");
+    let rec = site.join("rec");
+    write_tree(&rec, 12, 7);
+    let reference = config(&site.join("full"), &rec, "");
+    ok(&run(&reference, &["rebuild", "--device", "cpu"]));
+
+    let n = 3;
+    let shard_configs: Vec<PathBuf> = (0..n)
+        .map(|i| config(&site.join(format!("shard-{i}")), &rec, ""))
+        .collect();
+    // The shards run at the same time, as a scheduler runs them.
+    let children: Vec<_> = shard_configs
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            ailhd(
+                c,
+                &["rebuild", "--device", "cpu", "--shard", &format!("{i}/{n}")],
+            )
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    for (i, child) in children.into_iter().enumerate() {
+        let out = ok(&child.wait_with_output().unwrap());
+        assert!(out.contains(&format!("shard {i}/{n}")), "{out}");
+    }
+
+    // Each file is recorded by exactly one shard, and nowhere quarantined for being elsewhere.
+    let full = status(&reference);
+    let shards: Vec<serde_json::Value> = shard_configs.iter().map(|c| status(c)).collect();
+    let count = |s: &serde_json::Value, k: &str| s["files"][k].as_u64().unwrap_or(0);
+    for k in ["committed", "quarantined"] {
+        let sum: u64 = shards.iter().map(|s| count(s, k)).sum();
+        assert_eq!(
+            sum,
+            count(&full, k),
+            "{k} files over the shards vs one rebuild"
+        );
+    }
+    let quarantined = |s: &serde_json::Value| -> Vec<(String, String)> {
+        s["quarantined"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|q| {
+                (
+                    q["path"].as_str().unwrap().into(),
+                    q["reason"].as_str().unwrap().into(),
+                )
+            })
+            .collect()
+    };
+    let mut from_shards: Vec<_> = shards.iter().flat_map(quarantined).collect();
+    from_shards.sort();
+    let mut from_full = quarantined(&full);
+    from_full.sort();
+    assert_eq!(from_shards, from_full);
+    assert_eq!(from_full.len(), 3, "{from_full:?}");
+
+    let merged = site.join("merged");
+    let mut args = vec!["merge".to_string()];
+    args.extend((0..n).map(|i| format!("{}/shard-{i}/out", site.display())));
+    args.extend([
+        "--into".into(),
+        merged.display().to_string(),
+        "--npy".into(),
+    ]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = ok(&run(&reference, &args));
+    assert!(out.contains("COPIES"), "{out}");
+    assert!(out.contains("0 rows set valid = 0"), "{out}");
+
+    let moved = tmp.path().join("moved");
+    std::fs::rename(&site, &moved).unwrap();
+    let merged = moved.join("merged");
+    let bins = tmp.path().join("h5dump");
+    std::fs::create_dir_all(&bins).unwrap();
+    let spec = serde_json::json!({
+        "merged": merged,
+        "reference": moved.join("full/out"),
+        "names": NAMES,
+        "npy": true,
+        "h5dump": h5dump_bins(&merged, &bins),
+    });
+    println!("{}", check("same", spec, tmp.path()));
+}
+
+#[test]
+fn merging_overlapping_hosts_keeps_one_valid_row_per_content() {
+    let tmp = tempfile::tempdir().unwrap();
+    let append = "[labels]\nunknown = \"append\"\n";
+    // Host A: its clips and a label folder of its own (appended: id 5).
+    let rec_a = tmp.path().join("rec-a");
+    let files_a = ailhd::synth::write_tree(&rec_a, &LABELS, 6, 1).unwrap();
+    ailhd::synth::write_tree(&rec_a, &["VALVE"], 3, 3).unwrap();
+    // Host B: half of A's recordings (one under another label: a label conflict), clips of its
+    // own, and another label folder of its own (appended: id 5 there, 6 once merged).
+    let rec_b = tmp.path().join("rec-b");
+    ailhd::synth::write_tree(&rec_b, &LABELS, 4, 2).unwrap();
+    ailhd::synth::write_tree(&rec_b, &["PUMP"], 3, 4).unwrap();
+    let shared: Vec<&PathBuf> = files_a.iter().step_by(2).collect();
+    for (k, f) in shared.iter().enumerate() {
+        let rel = f.strip_prefix(&rec_a).unwrap();
+        let to = if k == 0 {
+            rec_b.join("NORMAL/relabelled_on_b.wav")
+        } else {
+            rec_b.join(rel)
+        };
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(f, to).unwrap();
+    }
+    let a = config(&tmp.path().join("host-a"), &rec_a, append);
+    let b = config(&tmp.path().join("host-b"), &rec_b, append);
+    ok(&run(&a, &["rebuild", "--device", "cpu"]));
+    ok(&run(&b, &["rebuild", "--device", "cpu"]));
+    let dir_a = tmp.path().join("host-a/out");
+    let dir_b = tmp.path().join("host-b/out");
+
+    for (order, labels) in [
+        ([&dir_a, &dir_b], ["VALVE", "PUMP"]),
+        ([&dir_b, &dir_a], ["PUMP", "VALVE"]),
+    ] {
+        let merged = tmp.path().join(format!("merged-{}", labels[0]));
+        let out = ok(&run(
+            &a,
+            &[
+                "merge",
+                order[0].to_str().unwrap(),
+                order[1].to_str().unwrap(),
+                "--into",
+                merged.to_str().unwrap(),
+            ],
+        ));
+        assert!(
+            out.contains(&format!(
+                "{} rows set valid = 0 (the first input keeps it)",
+                shared.len()
+            )),
+            "{out}"
+        );
+        assert!(
+            out.contains("label conflicts (same content, other label): 1"),
+            "{out}"
+        );
+        assert!(out.contains("relabelled_on_b.wav"), "{out}");
+        assert!(out.contains("(label ids remapped)"), "{out}");
+        let mut names: Vec<&str> = LABELS.to_vec();
+        names.extend(labels);
+        let spec = serde_json::json!({
+            "merged": merged,
+            "inputs": order,
+            "names": NAMES,
+            "labels": names,
+            "remapped": true,
+        });
+        println!("{}", check("hosts", spec, tmp.path()));
+    }
+    // A merge is a snapshot; merging again into the same folder replaces it.
+    let again = run(
+        &a,
+        &[
+            "merge",
+            dir_a.to_str().unwrap(),
+            "--into",
+            tmp.path().join("merged-VALVE").to_str().unwrap(),
+        ],
+    );
+    assert!(ok(&again).contains("merged 1 inputs"));
+}
+
+#[test]
+fn incompatible_inputs_and_bad_targets_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rec = tmp.path().join("rec");
+    ailhd::synth::write_tree(&rec, &LABELS, 2, 5).unwrap();
+    let overlap32 = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("config/overlap32.toml"),
+    )
+    .unwrap();
+    let a = config(&tmp.path().join("a"), &rec, "");
+    let c = config(&tmp.path().join("c"), &rec, &overlap32);
+    let d = config(&tmp.path().join("d"), &rec, "[outputs]\npath_bytes = 128\n");
+    for cfg in [&a, &c, &d] {
+        ok(&run(cfg, &["rebuild", "--device", "cpu"]));
+    }
+    let dir = |x: &str| tmp.path().join(x).join("out").display().to_string();
+    let into = tmp.path().join("merged").display().to_string();
+
+    refused(
+        &run(&a, &["merge", &dir("a"), &dir("c"), "--into", &into]),
+        &["different feature settings", &dir("c")],
+    );
+    refused(
+        &run(&a, &["merge", &dir("a"), &dir("d"), "--into", &into]),
+        &["outputs.path_bytes"],
+    );
+    refused(
+        &run(
+            &a,
+            &["merge", &dir("a"), "/nonexistent/out", "--into", &into],
+        ),
+        &["/nonexistent/out"],
+    );
+    refused(
+        &run(&a, &["merge", &dir("a"), &dir("a"), "--into", &into]),
+        &["given twice"],
+    );
+    // Never into an input, nor over a folder that is not a previous merge.
+    refused(
+        &run(&a, &["merge", &dir("a"), "--into", &dir("a")]),
+        &["input"],
+    );
+    refused(
+        &run(&a, &["merge", &dir("a"), "--into", &dir("d")]),
+        &["not a previous merge"],
+    );
+    assert!(
+        Path::new(&dir("d")).join(NAMES[0]).exists(),
+        "the refused target is untouched"
+    );
+    // A merge is not an input.
+    ok(&run(&a, &["merge", &dir("a"), "--into", &into]));
+    refused(
+        &run(
+            &a,
+            &[
+                "merge",
+                &into,
+                "--into",
+                &tmp.path().join("m2").display().to_string(),
+            ],
+        ),
+        &["itself a merge"],
+    );
+    // Bad shard values.
+    refused(
+        &run(&a, &["rebuild", "--device", "cpu", "--shard", "3/3"]),
+        &["not below the count"],
+    );
+    refused(
+        &run(&a, &["rebuild", "--device", "cpu", "--shard", "auto"]),
+        &["SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"],
+    );
+    // auto/N from a Kubernetes Indexed Job's index.
+    let out = ok(
+        &ailhd(&a, &["rebuild", "--device", "cpu", "--shard", "auto/2"])
+            .env("JOB_COMPLETION_INDEX", "1")
+            .output()
+            .unwrap(),
+    );
+    assert!(out.contains("shard 1/2"), "{out}");
+}
+
+#[test]
+fn deploy_files_check_and_run() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    let scripts = [
+        "slurm/ailhd-shards.sbatch",
+        "slurm/submit.sh",
+        "run-shard.sh",
+    ];
+    for s in scripts {
+        let path = root.join(s);
+        assert!(path.is_file(), "{} missing", path.display());
+        let o = Command::new("bash").arg("-n").arg(&path).output().unwrap();
+        assert!(
+            o.status.success(),
+            "bash -n {s}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let o = Command::new("shellcheck")
+            .arg("-x")
+            .arg(&path)
+            .output()
+            .expect("shellcheck is needed to check deploy/ (`. .ci/setup` installs it)");
+        assert!(
+            o.status.success(),
+            "shellcheck {s}:\n{}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+    }
+
+    let tmp = tempfile::tempdir().unwrap();
+    let rec = tmp.path().join("rec");
+    ailhd::synth::write_tree(&rec, &LABELS, 2, 9).unwrap();
+    // The settings every shard shares; its paths are overridden per shard by the scripts.
+    let cfg = config(&tmp.path().join("settings"), &rec, "");
+
+    // What the Slurm array tasks run (ailhd-shards.sbatch execs run-shard.sh): an array 1-2.
+    let work = tmp.path().join("slurm-work");
+    for task in [1, 2] {
+        let o = Command::new(root.join("run-shard.sh"))
+            .args(["shard", rec.to_str().unwrap(), work.to_str().unwrap()])
+            .env("AILHD", bin())
+            .env("AILHD_CONFIG", &cfg)
+            .env("SLURM_ARRAY_TASK_ID", task.to_string())
+            .env("SLURM_ARRAY_TASK_MIN", "1")
+            .env("SLURM_ARRAY_TASK_COUNT", "2")
+            .env_remove("JOB_COMPLETION_INDEX")
+            .output()
+            .unwrap();
+        let out = ok(&o);
+        assert!(out.contains(&format!("shard {}/2", task - 1)), "{out}");
+    }
+    let o = Command::new(root.join("run-shard.sh"))
+        .args(["merge", work.to_str().unwrap(), "2"])
+        .env("AILHD", bin())
+        .env("AILHD_CONFIG", &cfg)
+        .output()
+        .unwrap();
+    assert!(ok(&o).contains("merged 2 inputs"));
+    assert!(work.join("merged").join(NAMES[0]).is_file());
+    // The merge step refuses while a shard is not done.
+    std::fs::remove_file(work.join("shard-1/DONE")).unwrap();
+    let o = Command::new(root.join("run-shard.sh"))
+        .args(["merge", work.to_str().unwrap(), "2"])
+        .env("AILHD", bin())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("shard 1 of 2 is not done"));
+
+    // The Kubernetes manifest: parsed, and its pods' scripts run for real.
+    println!(
+        "{}",
+        python(
+            "merge_deploy_check.py",
+            &[
+                root.join("kubernetes/ailhd-shards.yaml").to_str().unwrap(),
+                bin().parent().unwrap().to_str().unwrap(),
+                rec.to_str().unwrap(),
+                tmp.path().join("k8s-work").to_str().unwrap(),
+                cfg.to_str().unwrap(),
+            ]
+        )
+    );
+}
