@@ -64,9 +64,10 @@ pub fn load(
     features: &FeatureSettings,
     shape: &FeatureShape,
     times: &StageTimes,
+    shard: crate::shard::Shard,
 ) -> Observation {
-    let load =
-        READ_BUF.with_borrow_mut(|bytes| load_into(root, rel, features, shape, times, bytes));
+    let load = READ_BUF
+        .with_borrow_mut(|bytes| load_into(root, rel, features, shape, times, shard, bytes));
     Observation::Loaded(Loaded {
         rel: rel.to_string(),
         seen,
