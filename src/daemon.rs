@@ -10,7 +10,7 @@
 
 use crate::config::Settings;
 use crate::ingest::{BatchOutcome, Ingestor, Op, Reconciliation};
-use crate::lock::WriterLock;
+use crate::lock::WriterLocks;
 use crate::manifest::now_ms;
 use crate::settle::{Probe, Settled, Settler};
 use crate::status::{self, ServiceStatus};
@@ -78,9 +78,14 @@ pub async fn serve(
     config_path: Option<PathBuf>,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    let _lock = WriterLock::acquire(&settings.paths.state, "run")?;
+    for p in crate::staging::remove_stale(&settings)? {
+        log::warn!("removed {}, left by an interrupted rebuild", p.display());
+    }
+    let _lock = WriterLocks::acquire(&settings, "run")?;
+    let _metrics = crate::metrics::Exporter::start(&settings.metrics)?;
     let ingestor = Ingestor::open(&settings, settings.ingest.device)?;
     let device = ingestor.device();
+    crate::metrics::device(&device);
     let root = std::path::absolute(&settings.paths.recordings)?;
 
     // Watch first, then scan: nothing falls between the two.
@@ -146,8 +151,12 @@ pub async fn serve(
                         next_rescan = rescan_deadline(&settings);
                         send(Work::Reload(Box::new(new)));
                         log::info!("configuration reloaded");
+                        crate::reload::record(&settings, true, "configuration reloaded");
                     }
-                    Err(e) => log::error!("reload refused, keeping the running configuration: {e}"),
+                    Err(e) => {
+                        log::error!("reload refused, keeping the running configuration: {e}");
+                        crate::reload::record(&settings, false, &e.to_string());
+                    }
                 }
             }
             ev = watch_rx.recv() => {
@@ -385,10 +394,13 @@ fn worker_loop(
                 match ingestor.apply(ops) {
                     Ok(outcome) => {
                         ingested += (outcome.new_rows + outcome.attached) as u64;
+                        crate::metrics::file_ingested((outcome.new_rows + outcome.attached) as u64);
                         for l in &outcome.latencies {
                             recent.push_latency(l.as_secs_f64() * 1e3);
+                            crate::metrics::commit_latency(l.as_secs_f64());
                         }
                         for (rel, reason) in &outcome.quarantined {
+                            crate::metrics::file_quarantined(reason);
                             recent.push_error(format!("{rel}: {reason}"));
                         }
                         log::debug!(
@@ -405,6 +417,7 @@ fn worker_loop(
                         // Outputs or manifest failed (disk full, I/O error): nothing of the
                         // batch was recorded, so a restart ingests it again. Stop here.
                         log::error!("ingest failed, stopping: {e:#}");
+                        crate::metrics::error("write");
                         let _ = ingestor.close();
                         return Err(e);
                     }
@@ -421,6 +434,7 @@ fn worker_loop(
                 }
                 Err(e) => {
                     log::error!("rescan failed: {e:#}");
+                    crate::metrics::error("rescan");
                     recent.push_error(format!("rescan: {e:#}"));
                 }
             },
@@ -428,6 +442,7 @@ fn worker_loop(
                 if let Err(e) = ingestor.quarantine_incomplete(&rel, &reason) {
                     log::error!("cannot record {rel} as quarantined: {e:#}");
                 }
+                crate::metrics::file_quarantined(&reason);
                 recent.push_error(format!("{rel}: {reason}"));
                 dirty = true;
             }
@@ -467,6 +482,14 @@ fn write_snapshot(
 ) {
     let result = (|| -> anyhow::Result<()> {
         let mut r = status::collect(ingestor.manifest(), ingestor.labels())?;
+        crate::metrics::record_status(&r);
+        crate::metrics::pending(shared.settling.load(Ordering::Relaxed));
+        crate::metrics::queue_depth(
+            shared.settling.load(Ordering::Relaxed) + shared.queued.load(Ordering::Relaxed),
+        );
+        for (stage, secs) in ingestor.stage_seconds() {
+            crate::metrics::stage_seconds(stage, secs);
+        }
         r.service = Some(ServiceStatus {
             pid: std::process::id(),
             device: ingestor.device(),

@@ -7,7 +7,7 @@
 use crate::config::{DeviceChoice, Settings, SplitMode, SPLITS};
 use crate::features::{self, Featuriser};
 use crate::identity::{self, Hash, LabelSet};
-use crate::lock::WriterLock;
+use crate::lock::WriterLocks;
 use crate::manifest::{now_ms, ContentRecord, FileRecord, FileState, Manifest, ManifestBatch};
 use crate::output::set::OutputSet;
 use crate::output::{OutputHeader, RowMeta};
@@ -112,7 +112,7 @@ pub fn rebuild(
     ui: &Ui,
 ) -> anyhow::Result<RebuildReport> {
     let started = Instant::now();
-    let _lock = WriterLock::acquire(&settings.paths.state, "rebuild")?;
+    let _lock = WriterLocks::acquire(settings, "rebuild")?;
     staging::finish_pending(settings)?;
     staging::prepare(settings)?;
 
