@@ -1,6 +1,7 @@
 //! Swap-in of a rebuild: new outputs and manifest are built beside the old ones, then moved into
 //! place by a roll-forward journal (`<state>/swap.pending`). A rebuild interrupted before the
-//! journal exists leaves the old outputs untouched; one interrupted during the swap is finished
+//! journal exists leaves the old outputs untouched (its staging is removed by the next `run`,
+//! `rebuild` or `check-config`: [`remove_stale`]); one interrupted during the swap is finished
 //! by the next `rebuild` or `run`.
 
 use crate::config::{Settings, SPLITS};
