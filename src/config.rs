@@ -34,6 +34,7 @@ pub struct Settings {
     pub features: FeatureSettings,
     pub outputs: Outputs,
     pub ingest: Ingest,
+    pub metrics: Metrics,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -482,6 +483,42 @@ impl Default for Ingest {
     }
 }
 
+/// `[metrics]`: both off by default; the service opens no port unless told to.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Metrics {
+    /// A Prometheus text-format file, rewritten atomically (node_exporter's textfile collector).
+    pub textfile: Option<PathBuf>,
+    /// `host:port` of an HTTP endpoint serving `GET /metrics`.
+    pub listen: Option<String>,
+}
+
+impl Metrics {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(p) = &self.textfile {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if !p.is_absolute() || !name.ends_with(".prom") {
+                return Err(invalid(
+                    "metrics.textfile",
+                    format!(
+                        "`{}` must be an absolute path to a *.prom file (node_exporter's textfile collector reads only *.prom)",
+                        p.display()
+                    ),
+                ));
+            }
+        }
+        if let Some(addr) = &self.listen {
+            if addr.parse::<std::net::SocketAddr>().is_err() {
+                return Err(invalid(
+                    "metrics.listen",
+                    format!("`{addr}` is not an address and port, e.g. \"127.0.0.1:9187\""),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Settings {
     /// Load as the contract says: `explicit` (from `--config`), else `$AILHD_CONFIG`, else
     /// `/etc/ailhd/ailhd.toml` if it exists, else built-in defaults; then `AILHD_<SECTION>__<KEY>`
@@ -635,6 +672,44 @@ impl Settings {
                 "must be at most 1024 (0 = one per core)",
             ));
         }
+        self.metrics.validate()?;
+        Ok(())
+    }
+
+    /// What the service needs at start, beyond a valid configuration (`check-config`, the unit's
+    /// ExecStartPre): the recordings folder exists and can be listed; the output and state
+    /// folders, and the metrics textfile's folder, exist and are writable, or can be created
+    /// (tested by creating and removing a probe file; nothing else is created). The error names
+    /// the key and the path.
+    pub fn check_paths(&self) -> Result<(), ConfigError> {
+        let rec = &self.paths.recordings;
+        match std::fs::metadata(rec) {
+            Err(e) => {
+                return Err(invalid(
+                    "paths.recordings",
+                    format!("{}: {}", rec.display(), io_reason(&e)),
+                ))
+            }
+            Ok(m) if !m.is_dir() => {
+                return Err(invalid(
+                    "paths.recordings",
+                    format!("{} is not a folder", rec.display()),
+                ))
+            }
+            Ok(_) => {}
+        }
+        if let Err(e) = std::fs::read_dir(rec) {
+            return Err(invalid(
+                "paths.recordings",
+                format!("{}: cannot be read: {}", rec.display(), io_reason(&e)),
+            ));
+        }
+        check_writable_dir("paths.output", &self.paths.output, true)?;
+        check_writable_dir("paths.state", &self.paths.state, true)?;
+        if let Some(t) = &self.metrics.textfile {
+            let dir = t.parent().unwrap_or(Path::new("/"));
+            check_writable_dir("metrics.textfile", dir, false)?;
+        }
         Ok(())
     }
 
@@ -653,6 +728,65 @@ impl Settings {
                 .unwrap_or(1)
         } else {
             self.ingest.workers
+        }
+    }
+}
+
+fn io_reason(e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => "no such folder".into(),
+        std::io::ErrorKind::PermissionDenied => "permission denied".into(),
+        _ => e.to_string(),
+    }
+}
+
+/// `dir` is a writable folder, or (when `may_create`) a missing one whose nearest existing
+/// ancestor is a writable folder. Probed by creating and removing a file.
+fn check_writable_dir(key: &str, dir: &Path, may_create: bool) -> Result<(), ConfigError> {
+    let mut at = dir.to_path_buf();
+    loop {
+        match std::fs::metadata(&at) {
+            Ok(m) if m.is_dir() => break,
+            Ok(_) => {
+                return Err(invalid(
+                    key,
+                    format!("{}: {} is not a folder", dir.display(), at.display()),
+                ))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && may_create => {
+                if !at.pop() || at.as_os_str().is_empty() {
+                    at = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/"));
+                    break;
+                }
+            }
+            Err(e) => {
+                return Err(invalid(
+                    key,
+                    format!("{}: {}", dir.display(), io_reason(&e)),
+                ))
+            }
+        }
+    }
+    let probe = at.join(format!(".ailhd-check-{}", std::process::id()));
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+    {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => {
+            let what = if at == dir {
+                "is not writable".to_string()
+            } else {
+                format!("cannot be created in {}", at.display())
+            };
+            Err(invalid(
+                key,
+                format!("{} {what}: {}", dir.display(), io_reason(&e)),
+            ))
         }
     }
 }
@@ -687,6 +821,8 @@ mod tests {
             ("[features]\nf_max = 5000.0\n", "features.f_max"),
             ("[features]\ntop_db = 80.0\n", "features.top_db"),
             ("[splits]\nmode = \"directory\"\n", "splits.directories"),
+            ("[metrics]\nlisten = \"localhost\"\n", "metrics.listen"),
+            ("[metrics]\ntextfile = \"ailhd.prom\"\n", "metrics.textfile"),
         ];
         for (text, key) in cases {
             let err = Settings::from_toml_str(text).unwrap_err().to_string();

@@ -13,7 +13,7 @@ use crate::config::Settings;
 use crate::engine::manifest::now_ms;
 use crate::engine::outcome::{Observation, Reason};
 use crate::engine::{Done, Engine, Input, Reconciliation};
-use crate::lock::WriterLock;
+use crate::lock::WriterLocks;
 use crate::source::settle::{PendingFile, Settled, Settler};
 use crate::source::watch::{WatchEvent, Watcher};
 use crate::source::{self, Found};
@@ -78,9 +78,14 @@ pub async fn serve(
     config_path: Option<PathBuf>,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    let _lock = WriterLock::acquire(&settings.paths.state, "run")?;
+    for p in crate::staging::remove_stale(&settings)? {
+        log::warn!("removed {}, left by an interrupted rebuild", p.display());
+    }
+    let _lock = WriterLocks::acquire(&settings, "run")?;
+    let _metrics = crate::metrics::Exporter::start(&settings.metrics)?;
     let engine = Engine::open_live(&settings, settings.ingest.device)?;
     let device = engine.device().to_string();
+    crate::metrics::device(&device);
     let root = std::path::absolute(&settings.paths.recordings)?;
 
     // Watch first, then scan: nothing falls between the two.
@@ -147,8 +152,12 @@ pub async fn serve(
                         next_rescan = rescan_deadline(&settings);
                         send(Work::Reload(Box::new(new)));
                         log::info!("configuration reloaded");
+                        crate::reload::record(&settings, true, "configuration reloaded");
                     }
-                    Err(e) => log::error!("reload refused, keeping the running configuration: {e}"),
+                    Err(e) => {
+                        log::error!("reload refused, keeping the running configuration: {e}");
+                        crate::reload::record(&settings, false, &e.to_string());
+                    }
                 }
             }
             ev = watch_rx.recv() => {
@@ -349,10 +358,13 @@ fn worker_loop(
     // What the engine reports done: figures for `status`, rereads, the queue depth.
     let on_done = |done: Done, recent: &mut Recent, ingested: &mut u64| {
         *ingested += (done.counts.new_rows + done.counts.attached) as u64;
+        crate::metrics::file_ingested((done.counts.new_rows + done.counts.attached) as u64);
         for l in &done.latencies {
             recent.push_latency(l.as_secs_f64() * 1e3);
+            crate::metrics::commit_latency(l.as_secs_f64());
         }
         for (rel, reason) in &done.quarantined {
+            crate::metrics::file_quarantined(&reason.to_string());
             log::warn!(file = rel.as_str(), reason = reason.to_string().as_str(); "quarantined {rel}: {reason}");
             recent.push_error(format!("{rel}: {reason}"));
         }
@@ -435,6 +447,7 @@ fn worker_loop(
                     // Outputs or manifest failed (disk full, I/O error): nothing of the batch
                     // was recorded, so a restart ingests it again. Stop here.
                     log::error!("ingest failed, stopping: {e:#}");
+                    crate::metrics::error("write");
                     return Err(e);
                 }
                 shared.queued.fetch_sub(
@@ -454,6 +467,7 @@ fn worker_loop(
                     }
                     Err(e) => {
                         log::error!("rescan failed: {e:#}");
+                        crate::metrics::error("rescan");
                         recent.push_error(format!("rescan: {e:#}"));
                     }
                 }
@@ -498,6 +512,14 @@ fn write_snapshot(
 ) {
     let result = (|| -> anyhow::Result<()> {
         let mut r = status::collect(engine.manifest(), engine.labels(), settings)?;
+        crate::metrics::record_status(&r);
+        crate::metrics::pending(shared.settling.load(Ordering::Relaxed));
+        crate::metrics::queue_depth(
+            shared.settling.load(Ordering::Relaxed) + shared.queued.load(Ordering::Relaxed),
+        );
+        for (stage, secs) in engine.times().seconds() {
+            crate::metrics::stage_seconds(stage, secs);
+        }
         r.service = Some(ServiceStatus {
             pid: std::process::id(),
             device: engine.device().to_string(),

@@ -75,8 +75,15 @@ enum Command {
         #[arg(long, value_name = "OUT.png")]
         png: Option<PathBuf>,
     },
-    /// Validate the configuration (exit 0, or 2 with the reason).
+    /// Validate the configuration and what the service needs at start (exit 0, or 2 with the reason).
     CheckConfig,
+    /// Make the running service reload its configuration and wait for its answer (systemd's
+    /// ExecReload): exit 0 when accepted, 2 when refused.
+    Reload {
+        /// The service's pid as systemd knows it ($MAINPID); checked against the lock holder.
+        #[arg(long)]
+        pid: Option<u32>,
+    },
     /// Decode and featurise one recording; print a summary, optionally a picture.
     Inspect {
         file: PathBuf,
@@ -137,6 +144,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match &cli.command {
         Command::CheckConfig => {
             let s = load_settings(&cli)?;
+            s.check_paths()?;
+            for p in ailhd::staging::remove_stale(&s)? {
+                println!("removed {}, left by an interrupted rebuild", p.display());
+            }
             let shape = s.features.shape();
             println!(
                 "configuration OK: recordings {}, output {}, state {}; rows of {:?}",
@@ -232,8 +243,24 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             let s = load_settings(&cli)?;
             ailhd::doctor::run_doctor(&s.features, *json)
         }
+        Command::Reload { pid } => {
+            let s = load_settings(&cli)?;
+            let wait = std::time::Duration::from_secs(30);
+            match ailhd::reload::request(&s, *pid, wait)? {
+                ailhd::reload::Outcome::Accepted(r) => {
+                    println!("pid {}: {} (reload {})", r.pid, r.message, r.generation);
+                    Ok(())
+                }
+                ailhd::reload::Outcome::Refused(r) => Err(UsageError(format!(
+                    "pid {} refused the new configuration and keeps the running one: {}",
+                    r.pid, r.message
+                ))
+                .into()),
+            }
+        }
         Command::Run => {
             let s = load_settings(&cli)?;
+            s.check_paths()?;
             ailhd::daemon::run(s, cli.config.clone())
         }
     }

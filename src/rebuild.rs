@@ -8,7 +8,7 @@ use crate::engine::outcome::Observation;
 use crate::engine::{Engine, Input};
 use crate::features;
 use crate::identity::LabelSet;
-use crate::lock::WriterLock;
+use crate::lock::WriterLocks;
 use crate::source::{self, Found};
 use crate::shard::Shard;
 use crate::staging;
@@ -63,7 +63,7 @@ pub fn rebuild_shard(
     shard: Shard,
 ) -> anyhow::Result<RebuildReport> {
     let started = Instant::now();
-    let _lock = WriterLock::acquire(&settings.paths.state, "rebuild")?;
+    let _lock = WriterLocks::acquire(settings, "rebuild")?;
     staging::finish_pending(settings)?;
     staging::prepare(settings)?;
 

@@ -1,6 +1,7 @@
 //! Swap-in of a rebuild: new outputs and manifest are built beside the old ones, then moved into
 //! place by a roll-forward journal (`<state>/swap.pending`). A rebuild interrupted before the
-//! journal exists leaves the old outputs untouched; one interrupted during the swap is finished
+//! journal exists leaves the old outputs untouched (its staging is removed by the next `run`,
+//! `rebuild` or `check-config`: [`remove_stale`]); one interrupted during the swap is finished
 //! by the next `rebuild` or `run`.
 
 use crate::config::{Settings, SPLITS};
@@ -108,6 +109,41 @@ pub fn finish_pending(settings: &Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Remove what a killed `rebuild` left behind (`.ailhd-staging/` under the output folder, the
+/// staged manifest), when no writer holds either folder. Takes nothing and creates nothing: the
+/// existing lock files are probed (and held during the removal) through read-only descriptors,
+/// so `check-config` run by another user cannot leave a lock file the service cannot open.
+/// A staged swap whose journal exists is complete and is left for the roll-forward.
+/// Returns the paths removed.
+pub fn remove_stale(settings: &Settings) -> anyhow::Result<Vec<PathBuf>> {
+    let leftovers: Vec<PathBuf> = [output_staging(settings), manifest_staging(settings)]
+        .into_iter()
+        .filter(|p| p.symlink_metadata().is_ok())
+        .collect();
+    if leftovers.is_empty() || journal(settings).exists() {
+        return Ok(Vec::new());
+    }
+    let mut probes = Vec::new();
+    for lock in [
+        settings.paths.state.join(crate::lock::STATE_LOCK),
+        settings.paths.output.join(crate::lock::OUTPUT_LOCK),
+    ] {
+        let Ok(f) = std::fs::File::open(&lock) else {
+            continue;
+        };
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a descriptor we own; released when `probes` is dropped.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Ok(Vec::new()); // a writer is at work: its staging is not stale
+        }
+        probes.push(f);
+    }
+    for p in &leftovers {
+        remove_any(p)?;
+    }
+    Ok(leftovers)
+}
+
 fn remove_any(p: &Path) -> anyhow::Result<()> {
     match std::fs::symlink_metadata(p) {
         Ok(m) if m.is_dir() => {
@@ -133,6 +169,27 @@ mod tests {
         s.paths.output = dir.join("out");
         s.paths.state = dir.join("state");
         s
+    }
+
+    #[test]
+    fn stale_staging_is_removed_only_without_a_writer_and_without_a_journal() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = settings(dir.path());
+        assert!(remove_stale(&s).unwrap().is_empty());
+        std::fs::create_dir_all(output_staging(&s).join("npy")).unwrap();
+        std::fs::create_dir_all(manifest_staging(&s)).unwrap();
+        {
+            let _writer = crate::lock::WriterLocks::acquire(&s, "rebuild").unwrap();
+            assert!(remove_stale(&s).unwrap().is_empty());
+            assert!(output_staging(&s).exists());
+        }
+        std::fs::write(journal(&s), b"x").unwrap();
+        assert!(remove_stale(&s).unwrap().is_empty());
+        std::fs::remove_file(journal(&s)).unwrap();
+        assert_eq!(remove_stale(&s).unwrap().len(), 2);
+        assert!(!output_staging(&s).exists() && !manifest_staging(&s).exists());
+        // Nothing was created: the lock files are the writer's, from above.
+        assert!(s.paths.output.join(crate::lock::OUTPUT_LOCK).exists());
     }
 
     #[test]

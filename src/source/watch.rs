@@ -1,6 +1,6 @@
 //! Watch: the first stage. Follows the recordings tree through inotify (notify's recursive
 //! watcher) and reports what happened to `.wav` files and to folders as [`WatchEvent`]s. It says
-//! what changed, never whether a file is complete: that is [`crate::settle`].
+//! what changed, never whether a file is complete: that is [`crate::source::settle`].
 //!
 //! Paths in events are **relative to the watched root** (`LEAK/S001~R1~20250118120530~100.wav`),
 //! the same key the manifest and the `source_path` column use; join them to
@@ -58,7 +58,7 @@ impl TouchKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WatchEvent {
     /// A `.wav` was created, written, closed after writing, moved in, or listed in a folder that
-    /// appeared (created or moved in). Says nothing about completeness: see [`crate::settle`].
+    /// appeared (created or moved in). Says nothing about completeness: see [`crate::source::settle`].
     Touched { path: PathBuf, kind: TouchKind },
     /// A `.wav` file was deleted or moved away (the source of a rename).
     Removed(PathBuf),

@@ -1,0 +1,558 @@
+//! Metrics in the Prometheus text format (README, "Metrics"): the engine records through the
+//! narrow functions below; `[metrics] textfile` rewrites a `*.prom` file atomically for
+//! node_exporter's textfile collector, `[metrics] listen` serves `GET /metrics` over HTTP.
+//! Both are off by default and then nothing is recorded at all (the functions are no-ops until
+//! [`Exporter::start`] installs the recorder).
+//!
+//! Recording goes through the `metrics` facade; `metrics-exporter-prometheus` keeps the values
+//! and renders the classic text format (version 0.0.4), the one node_exporter's textfile
+//! collector parses (it does not read OpenMetrics). The endpoint is `tiny_http` on its own thread.
+
+use crate::config::Metrics as MetricsSettings;
+use crate::status::StatusReport;
+use anyhow::Context;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// How often the textfile is rewritten (node_exporter reads it at each scrape).
+pub const TEXTFILE_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Completion-to-commit latency buckets, seconds.
+const LATENCY_BUCKETS: [f64; 12] = [
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// The process-wide recorder, installed on first use.
+fn handle() -> &'static PrometheusHandle {
+    HANDLE.get_or_init(|| {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(
+                Matcher::Full("ailhd_commit_latency_seconds".into()),
+                &LATENCY_BUCKETS,
+            )
+            .expect("latency buckets are not empty")
+            .build_recorder();
+        let handle = recorder.handle();
+        // Fails only if another recorder was installed first: then ours renders nothing new.
+        let _ = ::metrics::set_global_recorder(recorder);
+        describe();
+        handle
+    })
+}
+
+fn describe() {
+    use ::metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_gauge!(
+        "ailhd_up",
+        "1 while the service runs; 0 in the file left at a clean stop"
+    );
+    describe_gauge!(
+        "ailhd_start_time_seconds",
+        Unit::Seconds,
+        "start of this service process, Unix time"
+    );
+    describe_gauge!(
+        "ailhd_device_info",
+        "featuriser device of the running service (label device)"
+    );
+    describe_counter!(
+        "ailhd_files_ingested_total",
+        "recordings committed (a new row, or attached to an existing row) by this process"
+    );
+    describe_counter!(
+        "ailhd_files_quarantined_total",
+        "recordings quarantined by this process, by kind of reason"
+    );
+    describe_gauge!(
+        "ailhd_files",
+        "files known to the manifest, by state (committed, quarantined)"
+    );
+    describe_gauge!(
+        "ailhd_files_pending",
+        "files seen and not yet complete (still being written or settling)"
+    );
+    describe_gauge!(
+        "ailhd_queue_depth",
+        "files waiting: settling plus complete and not yet committed"
+    );
+    describe_gauge!(
+        "ailhd_rows",
+        "valid rows per split and label (rows with valid = 1)"
+    );
+    describe_gauge!(
+        "ailhd_split_rows",
+        "committed rows per split, valid or not (the datasets' committed_rows)"
+    );
+    describe_histogram!(
+        "ailhd_commit_latency_seconds",
+        Unit::Seconds,
+        "time from a recording being complete to its row being committed"
+    );
+    describe_gauge!(
+        "ailhd_stage_seconds",
+        Unit::Seconds,
+        "time spent per pipeline stage since the start (only grows while the process lives)"
+    );
+    describe_counter!("ailhd_errors_total", "errors, by kind");
+    describe_counter!(
+        "ailhd_config_reloads_total",
+        "configuration reloads (SIGHUP), by result (accepted, refused)"
+    );
+}
+
+fn enabled() -> bool {
+    HANDLE.get().is_some()
+}
+
+/// A recording committed.
+pub fn file_ingested(n: u64) {
+    if enabled() {
+        ::metrics::counter!("ailhd_files_ingested_total").increment(n);
+    }
+}
+
+/// A recording quarantined, with its reason (reduced to a bounded kind for the label).
+pub fn file_quarantined(reason: &str) {
+    if enabled() {
+        ::metrics::counter!("ailhd_files_quarantined_total", "reason" => reason_kind(reason))
+            .increment(1);
+    }
+}
+
+/// Files seen and not yet complete.
+pub fn pending(n: usize) {
+    if enabled() {
+        ::metrics::gauge!("ailhd_files_pending").set(n as f64);
+    }
+}
+
+/// Files waiting in all (settling + queued for the ingest worker).
+pub fn queue_depth(n: usize) {
+    if enabled() {
+        ::metrics::gauge!("ailhd_queue_depth").set(n as f64);
+    }
+}
+
+/// Valid rows of one split and label.
+pub fn rows(split: &str, label: &str, n: u64) {
+    if enabled() {
+        ::metrics::gauge!("ailhd_rows", "split" => split.to_string(), "label" => label.to_string())
+            .set(n as f64);
+    }
+}
+
+/// Completion-to-commit latency of one recording.
+pub fn commit_latency(seconds: f64) {
+    if enabled() {
+        ::metrics::histogram!("ailhd_commit_latency_seconds").record(seconds);
+    }
+}
+
+/// Cumulative seconds spent in a stage since the start (the engine keeps the totals; the
+/// facade's counters are integers, so this is a gauge that only grows).
+pub fn stage_seconds(stage: &str, total_seconds: f64) {
+    if enabled() {
+        ::metrics::gauge!("ailhd_stage_seconds", "stage" => stage.to_string()).set(total_seconds);
+    }
+}
+
+/// The featuriser device the service runs on.
+pub fn device(name: &str) {
+    if enabled() {
+        ::metrics::gauge!("ailhd_device_info", "device" => name.to_string()).set(1.0);
+    }
+}
+
+/// An error of some kind (`write`, `rescan`, `snapshot`, `featurise`, ...).
+pub fn error(kind: &'static str) {
+    if enabled() {
+        ::metrics::counter!("ailhd_errors_total", "kind" => kind).increment(1);
+    }
+}
+
+/// A configuration reload, accepted or refused.
+pub fn reload(accepted: bool) {
+    if enabled() {
+        let result = if accepted { "accepted" } else { "refused" };
+        ::metrics::counter!("ailhd_config_reloads_total", "result" => result).increment(1);
+    }
+}
+
+/// Figures that come from a status report: files per state, rows per split and label.
+pub fn record_status(r: &StatusReport) {
+    if !enabled() {
+        return;
+    }
+    for (state, n) in &r.files {
+        ::metrics::gauge!("ailhd_files", "state" => state.clone()).set(*n as f64);
+    }
+    for (split, sr) in &r.splits {
+        ::metrics::gauge!("ailhd_split_rows", "split" => split.clone()).set(sr.rows as f64);
+        for (label, n) in &sr.per_label {
+            rows(split, label, *n);
+        }
+    }
+}
+
+/// A bounded label value for a quarantine reason (the full reason is in `status` and the
+/// journal's REASON field).
+pub fn reason_kind(reason: &str) -> &'static str {
+    let r = reason.to_ascii_lowercase();
+    let kinds: [(&[&str], &'static str); 10] = [
+        (&["not valid utf-8"], "path_not_utf8"),
+        (&["symbolic link", "symlink"], "symlink"),
+        (&["does not fit", "path_bytes", "too long"], "path_too_long"),
+        (&["label"], "label"),
+        (
+            &[
+                "in progress",
+                "incomplete",
+                "still being written",
+                "never completed",
+            ],
+            "incomplete",
+        ),
+        (
+            &["truncated", "ends at byte", "more than the file"],
+            "truncated",
+        ),
+        (&["empty file", "no audio frames", "no data chunk"], "empty"),
+        (&["not a wav", "unsupported container"], "not_wav"),
+        (
+            &[
+                "unsupported",
+                "channels",
+                "sample rate",
+                "resample",
+                "encoding",
+                "subformat",
+            ],
+            "unsupported",
+        ),
+        (&["fmt", "chunk", "frame", "header"], "malformed"),
+    ];
+    for (needles, kind) in kinds {
+        if needles.iter().any(|n| r.contains(n)) {
+            return kind;
+        }
+    }
+    "other"
+}
+
+/// The metrics text as it is scraped now (also what the textfile holds).
+pub fn render() -> String {
+    handle().render()
+}
+
+/// Write `text` to `path` atomically: a temporary file beside it (a name node_exporter does not
+/// read), fsync, rename over the old one, fsync the folder. A reader sees the old or the new
+/// file, never a part.
+pub fn write_atomically(path: &Path, text: &str) -> anyhow::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .with_context(|| format!("{} names no file", path.display()))?;
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let result = (|| -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, path)?;
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.with_context(|| format!("cannot write the metrics file {}", path.display()))
+}
+
+/// The running exporters; dropping it stops them (the textfile gets a last write, `ailhd_up 0`).
+pub struct Exporter {
+    stop: Arc<AtomicBool>,
+    server: Option<Arc<tiny_http::Server>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    textfile: Option<PathBuf>,
+    /// Where the HTTP endpoint listens (the port actually bound, also for port 0).
+    pub listening: Option<std::net::SocketAddr>,
+}
+
+impl Exporter {
+    /// Start what `[metrics]` asks for; `None` when it asks for nothing.
+    pub fn start(settings: &MetricsSettings) -> anyhow::Result<Option<Exporter>> {
+        if settings.textfile.is_none() && settings.listen.is_none() {
+            return Ok(None);
+        }
+        let h = handle();
+        ::metrics::gauge!("ailhd_up").set(1.0);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        ::metrics::gauge!("ailhd_start_time_seconds").set(now.as_secs_f64());
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut ex = Exporter {
+            stop: stop.clone(),
+            server: None,
+            threads: Vec::new(),
+            textfile: settings.textfile.clone(),
+            listening: None,
+        };
+        if let Some(addr) = &settings.listen {
+            let server = tiny_http::Server::http(addr.as_str()).map_err(|e| {
+                anyhow::anyhow!("[metrics] listen = {addr:?}: cannot listen there: {e}")
+            })?;
+            let server = Arc::new(server);
+            ex.listening = server.server_addr().to_ip();
+            let srv = server.clone();
+            let stop = stop.clone();
+            ex.threads.push(
+                std::thread::Builder::new()
+                    .name("ailhd-metrics-http".into())
+                    .spawn(move || serve_http(&srv, &stop))?,
+            );
+            ex.server = Some(server);
+            log::info!("metrics: serving http://{addr}/metrics");
+        }
+        // The textfile writer also does the recorder's upkeep (histogram bookkeeping), which an
+        // endpoint nobody scrapes would otherwise never run.
+        let textfile = settings.textfile.clone();
+        if let Some(p) = &textfile {
+            write_atomically(p, &h.render())?;
+            log::info!(
+                "metrics: writing {} every {TEXTFILE_INTERVAL:?}",
+                p.display()
+            );
+        }
+        ex.threads.push(
+            std::thread::Builder::new()
+                .name("ailhd-metrics-file".into())
+                .spawn(move || {
+                    let mut last_error = false;
+                    while !sleep_unless_stopped(&stop, TEXTFILE_INTERVAL) {
+                        h.run_upkeep();
+                        if let Some(p) = &textfile {
+                            match write_atomically(p, &h.render()) {
+                                Ok(()) => last_error = false,
+                                Err(e) if !last_error => {
+                                    log::warn!("{e:#}");
+                                    last_error = true;
+                                }
+                                Err(_) => {}
+                            }
+                        }
+                    }
+                })?,
+        );
+        Ok(Some(ex))
+    }
+}
+
+impl Drop for Exporter {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(s) = &self.server {
+            s.unblock();
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        if let Some(p) = &self.textfile {
+            ::metrics::gauge!("ailhd_up").set(0.0);
+            if let Err(e) = write_atomically(p, &render()) {
+                log::warn!("{e:#}");
+            }
+        }
+    }
+}
+
+/// Sleep `d` in small steps; true when asked to stop.
+fn sleep_unless_stopped(stop: &AtomicBool, d: Duration) -> bool {
+    let step = Duration::from_millis(100);
+    let mut left = d;
+    while !left.is_zero() {
+        if stop.load(Ordering::Relaxed) {
+            return true;
+        }
+        let s = left.min(step);
+        std::thread::sleep(s);
+        left -= s;
+    }
+    stop.load(Ordering::Relaxed)
+}
+
+fn serve_http(server: &tiny_http::Server, stop: &AtomicBool) {
+    while !stop.load(Ordering::Relaxed) {
+        let req = match server.recv_timeout(Duration::from_millis(500)) {
+            Ok(Some(r)) => r,
+            Ok(None) => continue,
+            Err(_) => break,
+        };
+        let response = if *req.method() != tiny_http::Method::Get {
+            tiny_http::Response::from_string("only GET\n").with_status_code(405)
+        } else if req.url() == "/metrics" || req.url().starts_with("/metrics?") {
+            tiny_http::Response::from_string(render()).with_header(
+                tiny_http::Header::from_bytes(
+                    &b"Content-Type"[..],
+                    &b"text/plain; version=0.0.4; charset=utf-8"[..],
+                )
+                .expect("a valid header"),
+            )
+        } else {
+            tiny_http::Response::from_string("ailhd: metrics are at /metrics\n")
+                .with_status_code(404)
+        };
+        let _ = req.respond(response);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    /// One test drives the process-wide recorder from start to end (tests run in parallel, and
+    /// there is one recorder per process).
+    #[test]
+    fn families_render_and_both_exporters_serve_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let prom = dir.path().join("ailhd.prom");
+        let settings = MetricsSettings {
+            textfile: Some(prom.clone()),
+            listen: Some("127.0.0.1:0".into()),
+        };
+        let ex = Exporter::start(&settings).unwrap().unwrap();
+        file_ingested(3);
+        file_quarantined("not a WAV file (no RIFF/WAVE header)");
+        file_quarantined("truncated: data chunk declares 100 bytes but only 10 are present");
+        pending(2);
+        queue_depth(5);
+        rows("training", "LEAK", 7);
+        commit_latency(0.03);
+        commit_latency(0.2);
+        stage_seconds("featurise", 1.5);
+        device("cpu");
+        error("write");
+        reload(false);
+        let text = render();
+        for want in [
+            "# TYPE ailhd_files_ingested_total counter",
+            "ailhd_files_ingested_total 3",
+            "ailhd_files_quarantined_total{reason=\"not_wav\"} 1",
+            "ailhd_files_quarantined_total{reason=\"truncated\"} 1",
+            "ailhd_files_pending 2",
+            "ailhd_queue_depth 5",
+            "ailhd_rows{split=\"training\",label=\"LEAK\"} 7",
+            "# TYPE ailhd_commit_latency_seconds histogram",
+            "ailhd_commit_latency_seconds_bucket{le=\"0.05\"} 1",
+            "ailhd_commit_latency_seconds_bucket{le=\"0.25\"} 2",
+            "ailhd_commit_latency_seconds_count 2",
+            "ailhd_stage_seconds{stage=\"featurise\"} 1.5",
+            "ailhd_device_info{device=\"cpu\"} 1",
+            "ailhd_errors_total{kind=\"write\"} 1",
+            "ailhd_config_reloads_total{result=\"refused\"} 1",
+            "ailhd_up 1",
+            "# HELP ailhd_files_pending files seen and not yet complete",
+        ] {
+            assert!(text.contains(want), "missing {want:?} in:\n{text}");
+        }
+        assert!(!text.contains("# EOF"), "OpenMetrics, not the text format");
+
+        // The endpoint, on a loopback port chosen by the kernel.
+        let addr = ex.listening.unwrap();
+        assert!(addr.ip().is_loopback());
+        let get = |path: &str| {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            write!(
+                s,
+                "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
+            .unwrap();
+            let mut body = String::new();
+            s.read_to_string(&mut body).unwrap();
+            body
+        };
+        let page = get("/metrics");
+        assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+        assert!(page.contains("text/plain; version=0.0.4"), "{page}");
+        assert!(page.contains("ailhd_files_ingested_total 3"), "{page}");
+        assert!(get("/").starts_with("HTTP/1.1 404"));
+
+        // The textfile: written at start, rewritten with the figures, last write on stop.
+        let t = std::time::Instant::now();
+        while !std::fs::read_to_string(&prom)
+            .unwrap()
+            .contains("ailhd_files_ingested_total 3")
+        {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "textfile never rewritten"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        drop(ex);
+        let last = std::fs::read_to_string(&prom).unwrap();
+        assert!(last.contains("ailhd_up 0"), "{last}");
+        // Only the .prom file is left: no temporary beside it.
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("ailhd.prom")]);
+        // The port is closed again.
+        assert!(std::net::TcpStream::connect(addr).is_err());
+    }
+
+    #[test]
+    fn textfile_is_replaced_whole_never_partly() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.prom");
+        write_atomically(&p, "a 1\n").unwrap();
+        // A reader holding the old file keeps reading the old content: the file was replaced
+        // (a new inode), not rewritten in place.
+        let mut old = std::fs::File::open(&p).unwrap();
+        let big = "b 2\n".repeat(100_000);
+        write_atomically(&p, &big).unwrap();
+        let mut seen = String::new();
+        old.read_to_string(&mut seen).unwrap();
+        assert_eq!(seen, "a 1\n");
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), big);
+        // A folder that cannot take the file: an error naming it, and no temporary left.
+        let missing = dir.path().join("nope").join("x.prom");
+        let err = write_atomically(&missing, "a 1\n").unwrap_err().to_string();
+        assert!(err.contains("nope/x.prom"), "{err}");
+    }
+
+    #[test]
+    fn quarantine_reasons_map_to_bounded_kinds() {
+        for (reason, kind) in [
+            ("not a WAV file (no RIFF/WAVE header)", "not_wav"),
+            ("empty file (0 bytes)", "empty"),
+            (
+                "truncated: the file ends at byte 30, inside the header of a chunk",
+                "truncated",
+            ),
+            ("path is not valid UTF-8", "path_not_utf8"),
+            (
+                "fmt declares 9 channels; at most 8 are supported",
+                "unsupported",
+            ),
+            ("something new", "other"),
+        ] {
+            assert_eq!(reason_kind(reason), kind, "{reason}");
+        }
+    }
+}

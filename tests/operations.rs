@@ -1,0 +1,319 @@
+//! What an operator meets around the service, with the real binary: `check-config` checking
+//! the folders the service needs, a killed rebuild's staging cleaned up, `ailhd reload`
+//! reporting an accepted and a refused configuration through its exit status, and the metrics
+//! textfile the running service keeps.
+
+mod common;
+use common::*;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+const FAST: &str = "[ingest]\nsettle_ms = 100\nrescan_interval_s = 0\ndevice = \"cpu\"\n";
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).to_string()
+}
+
+fn set_path(world: &World, key: &str, value: &Path) {
+    let text = std::fs::read_to_string(&world.config).unwrap();
+    let text = text
+        .lines()
+        .map(|l| {
+            if l.starts_with(&format!("{key} =")) {
+                format!("{key} = {value:?}")
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(&world.config, text + "\n").unwrap();
+}
+
+fn refused(world: &World, key: &str, path: &Path) {
+    let o = world.run(&["check-config"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{key}: {err}");
+    assert!(
+        err.contains(key) && err.contains(path.to_str().unwrap()),
+        "expected {key} and {} in: {err}",
+        path.display()
+    );
+}
+
+#[test]
+fn check_config_checks_the_folders_the_service_needs() {
+    let world = World::new("");
+    // Missing output and state whose parent is writable: fine, and not created by the check.
+    ok(&world.run(&["check-config"]));
+    assert!(!world.out().exists() && !world.state().exists());
+    assert_eq!(
+        std::fs::read_dir(world.dir.path()).unwrap().count(),
+        2,
+        "the probe file was left behind"
+    );
+
+    // Recordings: missing, or not a folder.
+    let missing = world.dir.path().join("no-such-tree");
+    set_path(&world, "recordings", &missing);
+    refused(&world, "paths.recordings", &missing);
+    let file = world.dir.path().join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    set_path(&world, "recordings", &file);
+    refused(&world, "paths.recordings", &file);
+    set_path(&world, "recordings", &world.rec());
+
+    // Output that cannot be created (under a file), or in a folder nobody may write (/proc
+    // refuses new files even to root).
+    let under_file = file.join("out");
+    set_path(&world, "output", &under_file);
+    refused(&world, "paths.output", &under_file);
+    let proc_out = Path::new("/proc/ailhd-check-output");
+    set_path(&world, "output", proc_out);
+    refused(&world, "paths.output", proc_out);
+    set_path(&world, "output", &world.out());
+    ok(&world.run(&["check-config"]));
+}
+
+#[test]
+fn check_config_refuses_a_state_folder_the_service_user_cannot_write() {
+    let world = World::new("");
+    std::fs::create_dir_all(world.out()).unwrap();
+    std::fs::set_permissions(world.out(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::fs::create_dir_all(world.state()).unwrap();
+    std::fs::set_permissions(world.state(), std::fs::Permissions::from_mode(0o555)).unwrap();
+    // Root writes anywhere: check as an unprivileged user then (the service's own situation).
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut cmd = world.cmd(&["check-config"]);
+    if root {
+        std::fs::set_permissions(world.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        use std::os::unix::process::CommandExt;
+        cmd.uid(65534).gid(65534);
+    }
+    let o = cmd.output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("paths.state")
+            && err.contains(world.state().to_str().unwrap())
+            && err.contains("not writable"),
+        "{err}"
+    );
+    std::fs::set_permissions(world.state(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    ok(&world.run(&["check-config"]));
+}
+
+fn add_recordings(world: &World, n: usize) {
+    let bytes = std::fs::read(fixtures().join("wav/leak_pcm16.wav")).unwrap();
+    for i in 0..n {
+        let dir = world.rec().join(["LEAK", "NORMAL"][i % 2]);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut b = bytes.clone();
+        let last = b.len() - 2;
+        b[last..].copy_from_slice(&(i as u16).to_le_bytes());
+        std::fs::write(dir.join(format!("S{i:03}~R{i}~20250118120530~100.wav")), b).unwrap();
+    }
+}
+
+#[test]
+fn a_killed_rebuild_leaves_no_staging_behind_after_check_config_or_run() {
+    let world = World::new(FAST);
+    add_recordings(&world, 300);
+    let staging = world.out().join(".ailhd-staging");
+    let kill_mid_rebuild = || {
+        let mut child = world
+            .cmd(&["rebuild", "--device", "cpu"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        while !staging.exists() {
+            assert!(child.try_wait().unwrap().is_none(), "rebuild ended first");
+            assert!(t.elapsed() < Duration::from_secs(60));
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(staging.exists());
+    };
+    kill_mid_rebuild();
+    // While a writer holds the folders, its staging is not stale.
+    {
+        let s = ailhd::config::Settings::load(Some(&world.config)).unwrap();
+        let _held = ailhd::lock::WriterLocks::acquire(&s, "rebuild").unwrap();
+        let o = ok(&world.run(&["check-config"]));
+        assert!(!o.contains("removed") && staging.exists(), "{o}");
+    }
+    let o = ok(&world.run(&["check-config"]));
+    assert!(o.contains("left by an interrupted rebuild"), "{o}");
+    assert!(!staging.exists());
+
+    kill_mid_rebuild();
+    let log = world.dir.path().join("run.log");
+    let mut svc = world
+        .cmd(&["run"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while staging.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "run left the staging"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    unsafe { libc::kill(svc.id() as i32, libc::SIGTERM) };
+    assert!(svc.wait().unwrap().success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("left by an interrupted rebuild"), "{text}");
+}
+
+struct Service {
+    child: std::process::Child,
+    log: std::path::PathBuf,
+}
+
+impl Service {
+    fn start(world: &World) -> Service {
+        let log = world.dir.path().join("service.log");
+        let child = world
+            .cmd(&["--verbose", "run"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let s = Service { child, log };
+        s.wait_for("the first status snapshot", || {
+            world.state().join("status.json").exists()
+        });
+        s
+    }
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+    fn wait_for(&self, what: &str, mut f: impl FnMut() -> bool) {
+        let t = Instant::now();
+        while !f() {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "timed out waiting for {what}; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    fn stop(mut self) -> String {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let st = self.child.wait().unwrap();
+        assert!(st.success(), "{st}: {}", self.log());
+        self.log()
+    }
+}
+
+#[test]
+fn reload_reports_accepted_and_refused_configurations_through_its_exit_status() {
+    let world = World::new(FAST);
+    let o = world.run(&["reload"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("nothing to reload"), "{}", stderr(&o));
+
+    let svc = Service::start(&world);
+    let pid = svc.child.id().to_string();
+    let o = ok(&world.run(&["reload", "--pid", &pid]));
+    assert!(o.contains("configuration reloaded"), "{o}");
+    // A pid that is not the holder (systemd's $MAINPID after paths.state changed).
+    let o = world.run(&["reload", "--pid", "1"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+
+    // A broken configuration: the service refuses it, keeps running, and reload says so.
+    let good = std::fs::read_to_string(&world.config).unwrap();
+    let text = good.replace("settle_ms = 100", "settle_ms = \"soon\"");
+    assert_ne!(text, good);
+    std::fs::write(&world.config, &text).unwrap();
+    // The client itself cannot load it either: refused before any signal, exit 2.
+    let o = world.run(&["reload"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("settle_ms"), "{}", stderr(&o));
+    // A configuration the client loads but the service refuses (the service reads its own
+    // --config file, which is the broken one; the client is given a good copy).
+    let good_copy = world.dir.path().join("good.toml");
+    std::fs::write(&good_copy, &good).unwrap();
+    let o = std::process::Command::new(bin())
+        .arg("--config")
+        .arg(&good_copy)
+        .args(["reload", "--pid", &pid])
+        .env_remove("AILHD_CONFIG")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("refused") && stderr(&o).contains("settle_ms"),
+        "{}",
+        stderr(&o)
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(world.state().join("reload.json")).unwrap())
+            .unwrap();
+    assert_eq!(r["generation"], 2);
+    assert_eq!(r["accepted"], false);
+    // Still running, and a good configuration is accepted again.
+    std::fs::write(&world.config, &good).unwrap();
+    ok(&world.run(&["reload", "--pid", &pid]));
+    let log = svc.stop();
+    assert!(log.contains("reload refused"), "{log}");
+}
+
+#[test]
+fn the_service_keeps_a_prometheus_textfile() {
+    let dir = tempfile::tempdir().unwrap();
+    let prom = dir.path().join("ailhd.prom");
+    // A file present at start that cannot be used waits in the settle stage until
+    // quarantine_after_s: keep that short.
+    let world = World::new(&format!(
+        "{FAST}quarantine_after_s = 2\n[metrics]\ntextfile = {prom:?}\n"
+    ));
+    add_recordings(&world, 6);
+    std::fs::create_dir_all(world.rec().join("LEAK")).unwrap();
+    std::fs::write(world.rec().join("LEAK/broken.wav"), b"not a wav at all").unwrap();
+    let svc = Service::start(&world);
+    let has = |want: &[&str]| {
+        let text = std::fs::read_to_string(&prom).unwrap_or_default();
+        want.iter().all(|w| text.contains(w))
+    };
+    let want = [
+        "ailhd_up 1",
+        "ailhd_files_ingested_total 6",
+        "ailhd_files_quarantined_total{reason=",
+        "ailhd_files{state=\"committed\"} 6",
+        "ailhd_files{state=\"quarantined\"} 1",
+        "ailhd_device_info{device=\"cpu\"} 1",
+        "ailhd_commit_latency_seconds_count 6",
+        "ailhd_queue_depth 0",
+        "ailhd_rows{split=",
+        "ailhd_stage_seconds{stage=",
+    ];
+    let t = Instant::now();
+    while !has(&want) {
+        let text = std::fs::read_to_string(&prom).unwrap_or_default();
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "textfile lacks some of {want:?}:\n{text}\nlog:\n{}",
+            svc.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let text = std::fs::read_to_string(&prom).unwrap();
+    let rows: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("ailhd_rows{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum();
+    assert_eq!(rows, 6.0, "{text}");
+    svc.stop();
+    assert!(has(&["ailhd_up 0", "ailhd_files_ingested_total 6"]));
+}
