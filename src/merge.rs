@@ -932,12 +932,12 @@ pub fn summary(r: &MergeReport) -> String {
     let _ = writeln!(
         s,
         "merged {} inputs -> {} rows ({} valid) in {} (virtual datasets: features not copied; \
-         {:.1} MB of HDF5)",
+         {:.1} KB of HDF5)",
         r.inputs.len(),
         rows,
         valid,
         r.into.display(),
-        r.hdf5_bytes as f64 / 1e6
+        r.hdf5_bytes as f64 / 1e3
     );
     for i in &r.inputs {
         let _ = writeln!(
