@@ -368,6 +368,10 @@ fn read_source(path: &Path) -> Result<Source> {
     let file = open_input(path)?;
     let path = path.canonicalize()?;
     let bad = |what: String| refuse(format!("{}: {what}", path.display()));
+    if path.to_str().is_none() {
+        // The virtual datasets name their sources by UTF-8 paths.
+        return Err(bad("the path is not valid UTF-8".into()));
+    }
     let schema = file
         .attr("schema_version")
         .and_then(|a| a.read_scalar::<u32>())
@@ -932,12 +936,12 @@ pub fn summary(r: &MergeReport) -> String {
     let _ = writeln!(
         s,
         "merged {} inputs -> {} rows ({} valid) in {} (virtual datasets: features not copied; \
-         {:.1} MB of HDF5)",
+         {:.1} KB of HDF5)",
         r.inputs.len(),
         rows,
         valid,
         r.into.display(),
-        r.hdf5_bytes as f64 / 1e6
+        r.hdf5_bytes as f64 / 1e3
     );
     for i in &r.inputs {
         let _ = writeln!(

@@ -390,6 +390,7 @@ fn deploy_files_check_and_run() {
     let scripts = [
         "slurm/ailhd-shards.sbatch",
         "slurm/submit.sh",
+        "slurm/try-local.sh",
         "run-shard.sh",
     ];
     for s in scripts {

@@ -4,6 +4,8 @@
 #   usage: submit.sh RECORDINGS WORK SHARDS
 # Environment passed to the jobs: AILHD (binary), AILHD_CONFIG (settings, the same for every
 # shard), AILHD_MERGE_ARGS (e.g. --npy). RECORDINGS and WORK must be seen by every node.
+# AILHD_SBATCH_ARGS: extra sbatch options for both jobs (e.g. "--partition=cpu --account=x
+# --cpus-per-task=8"), which override the script's #SBATCH lines.
 set -euo pipefail
 if [ $# -ne 3 ]; then
     sed -n '4p' "$0" >&2
@@ -15,9 +17,11 @@ shards=$3
 deploy=$(cd "$(dirname "$0")/.." && pwd)
 script="$deploy/slurm/ailhd-shards.sbatch"
 mkdir -p "$work"
-array=$(sbatch --parsable --chdir="$work" --array="0-$((shards - 1))" \
+# shellcheck disable=SC2206 # a list of options
+extra=(${AILHD_SBATCH_ARGS:-})
+array=$(sbatch "${extra[@]}" --parsable --chdir="$work" --array="0-$((shards - 1))" \
     --export="ALL,AILHD_DEPLOY=$deploy" "$script" shard "$recordings" "$work")
 array=${array%%;*}
-merge=$(sbatch --parsable --chdir="$work" --job-name=ailhd-merge --dependency="afterok:$array" \
+merge=$(sbatch "${extra[@]}" --parsable --chdir="$work" --job-name=ailhd-merge --dependency="afterok:$array" \
     --export="ALL,AILHD_DEPLOY=$deploy" "$script" merge "$work" "$shards")
 echo "submitted shards: job $array (array 0-$((shards - 1))); merge: job ${merge%%;*}"
