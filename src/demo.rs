@@ -205,8 +205,9 @@ fn live(
         let k = dropped.len();
         if k < LIVE_FILES && t0.elapsed() >= LIVE_GAP * k as u32 {
             let label = live_labels[k % live_labels.len()];
-            let index = 5000 + k;
-            let name = synth::file_name(index, 11);
+            // Named after the tree's own recordings (one a minute), so they follow them in time.
+            let index = DEMO_LABELS.len() * PER_LABEL + k;
+            let name = synth::file_name(index, 7);
             let rel = format!("{label}/{name}");
             let bytes = synth::wav_pcm16(&synth::clip(label, 77_000 + k as u64, 4096, 10.0), 4096);
             std::fs::write(settings.paths.recordings.join(&rel), bytes)?;

@@ -154,7 +154,11 @@ fn inspect_draws_waveform_spectrogram_features_colour_scale_and_out_of_water_mar
 
 /// A small tree with one out-of-water recording (`NORMAL`, index 18 of seed 5), rebuilt.
 fn rebuilt_world() -> World {
-    let world = World::new("");
+    rebuilt_world_with("")
+}
+
+fn rebuilt_world_with(config: &str) -> World {
+    let world = World::new(config);
     let written = ailhd::synth::write_tree(&world.rec(), &["LEAK", "NORMAL"], 12, 5).unwrap();
     assert_eq!(
         written
@@ -278,4 +282,16 @@ fn status_png_reads_the_outputs_while_the_service_appends() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+#[test]
+fn status_png_reads_the_npy_columns_when_hdf5_output_is_off() {
+    let world = rebuilt_world_with("[outputs]\nhdf5 = false\n");
+    assert!(!world.out().join("TRAINING_DATASET.H5").exists());
+    let png = world.dir.path().join("status.png");
+    ok(&world.run(&["status", "--png", png.to_str().unwrap()]));
+    let pic = load(&png);
+    pic.assert_big_enough();
+    assert!(pic.count(rgb(palette(0)), 0) > 3_000, "no training bars");
+    assert!(pic.count(rgb(OUT_OF_WATER), 0) > 150, "no out-of-water bar");
 }

@@ -224,11 +224,13 @@ fn draw_spectrogram(area: &Area, wave: &[f32], sample_rate: u32) -> Result<()> {
     let bins = n_fft / 2 + 1;
     let frames = values.len() / bins;
     let hi = values.iter().copied().fold(-240f32, f32::max);
+    // At most 100 dB of range; a flat (or empty) spectrogram still gets a 1 dB scale.
     let lo = values
         .iter()
         .copied()
         .fold(f32::INFINITY, f32::min)
-        .max(hi - 100.0);
+        .max(hi - 100.0)
+        .min(hi - 1.0);
     let sr = sample_rate as f64;
     let bin_hz = sr / n_fft as f64;
     draw_heatmap(
@@ -277,7 +279,10 @@ fn draw_features(area: &Area, row: &[f16], shape: [usize; 4], f: &FeatureSetting
     }
     let finite = values.iter().copied().filter(|v| v.is_finite());
     let hi = finite.clone().fold(f32::NEG_INFINITY, f32::max);
-    let lo = finite.fold(f32::INFINITY, f32::min).max(hi - 100.0);
+    let lo = finite
+        .fold(f32::INFINITY, f32::min)
+        .max(hi - 100.0)
+        .min(hi - 1.0);
     let (hi, lo) = if hi.is_finite() {
         (hi, lo)
     } else {
