@@ -382,6 +382,9 @@ impl CudaFeaturiser {
         &mut self,
         work: impl FnOnce(&mut Self) -> anyhow::Result<T>,
     ) -> anyhow::Result<T> {
+        if let Some(why) = &self.poisoned {
+            bail!("the CUDA featuriser is disabled after an earlier failure ({why})");
+        }
         let why = match catch_unwind(AssertUnwindSafe(|| work(&mut *self))) {
             Ok(Ok(value)) => return Ok(value),
             Ok(Err(e)) => format!("{e:#}"),
