@@ -126,7 +126,9 @@ daemon)
     exe=$(cat "$CARRY/daemon_bench.ailhd-path" 2>/dev/null || grep -a -o -m1 '/[A-Za-z0-9_/.-]*/release/ailhd' "$CARRY/daemon_bench" | head -1)
     mkdir -p "$(dirname "$exe")" && cp "$BIN" "$exe"
     read -r -a dargs <<<"${DAEMON_ARGS:-1000 5000}"  # stream clips at 100/s, burst clips
-    AILHD_INGEST__DEVICE=cuda "$CARRY/daemon_bench" "${dargs[@]}" >"$OUT/daemon-cuda.txt" 2>&1 || failed=1
+    # The benchmark waits for the service to start: bounded, in case `ailhd run` cannot.
+    AILHD_INGEST__DEVICE=cuda timeout "${DAEMON_TIMEOUT:-500}" "$CARRY/daemon_bench" "${dargs[@]}" \
+        >"$OUT/daemon-cuda.txt" 2>&1 || { echo "daemon benchmark FAILED (exit $?)"; failed=1; }
     tail -20 "$OUT/daemon-cuda.txt"
     ;;
 *)

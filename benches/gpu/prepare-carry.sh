@@ -14,7 +14,7 @@ cargo build --release --bin ailhd
 # The test and bench executables: cargo prints their paths as JSON messages.
 exe_of() { # exe_of NAME KIND cargo-args...
     local name=$1 kind=$2; shift 2
-    cargo "$@" --release --no-run --message-format=json 2>/dev/null | python3 -c '
+    cargo "$@" --no-run --message-format=json | python3 -c '
 import json, sys
 name, kind = sys.argv[1], sys.argv[2]
 for line in sys.stdin:
@@ -24,8 +24,8 @@ for line in sys.stdin:
         print(m["executable"])
 ' "$name" "$kind" | tail -1
 }
-parity_exe=$(exe_of gpu_parity test test --test gpu_parity)
-daemon_exe=$(exe_of daemon bench bench --bench daemon)
+parity_exe=$(exe_of gpu_parity test test --release --test gpu_parity)
+daemon_exe=$(exe_of daemon bench bench --bench daemon)  # the bench profile: release settings
 if [ -z "$parity_exe" ] || [ -z "$daemon_exe" ]; then
     echo "could not find the test/bench executables" >&2
     exit 1
