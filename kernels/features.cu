@@ -1,6 +1,6 @@
 // GPU featuriser kernels: int16/float samples -> windowed frames -> (cuFFT R2C or D2Z, on the host side)
 // -> |X|^power -> sparse mel -> dB -> per-recording top_db clamp -> float16 rows laid out
-// [file][long][short][mel][t] (CONTRACT.md, "Features"). src/features/cuda.rs embeds this file and
+// [file][long][short][mel][t] (CONTRACT.md, "Features"). src/features/cuda/ embeds this file and
 // compiles it with NVRTC once at start-up for the device's architecture.
 //
 // Frames and the FFT are float32 or float64 as the accuracy rule needs (src/features/mod.rs,
@@ -27,7 +27,7 @@ AILHD_DEVICE unsigned short f32_to_f16_rn(float x) {
 
 typedef unsigned long long u64;
 
-// Shapes and constants of one feature setup. Must match `Geometry` in src/features/cuda.rs field
+// Shapes and constants of one feature setup. Must match `Geometry` in src/features/cuda/tables.rs field
 // for field (a unit test there compares the two). All fields are 4 bytes: no padding.
 struct Geometry {
     int num_samples;      // samples per recording after pad/trim

@@ -100,7 +100,8 @@ pub fn run_doctor(settings: &FeatureSettings, json: bool) -> anyhow::Result<()> 
     }
     setups.extend(named.into_iter().map(|(n, s)| (n.to_string(), s)));
 
-    let no_gpu = (!cuda.problems.is_empty()).then(|| cuda.problems.join("; "));
+    // A host with a GPU whose featuriser cannot start (NVRTC or cuFFT missing included) fails.
+    let no_gpu = (!cuda.gpu_present()).then(|| cuda.problems.join("; "));
     let parity = setups
         .iter()
         .map(|(name, s)| parity_for(name, s, no_gpu.as_deref()))

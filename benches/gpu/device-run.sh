@@ -1,76 +1,139 @@
 #!/usr/bin/env bash
-# GPU checks and figures on a CUDA host with no Rust toolchain: the release binary, the shared
-# fixtures (shared/fixtures/features), make_dataset.py, and optionally the release builds of the
-# gpu_parity test and the daemon benchmark are carried in $CARRY (default .device-carry). Steps
-# (names on the command line, default all): info, doctor, tests, parity, bench, daemon. Logs go to $OUT (or /tmp/ailhd-gpu).
+# GPU checks and figures for the README's "GPU" section, on a CUDA host with no Rust toolchain.
+# Prepare the carry first, here: benches/gpu/prepare-carry.sh (release binary, the gpu_parity test
+# and daemon benchmark executables, fixtures, make_dataset.py, overlap32.toml in $CARRY, default
+# .device-carry). Then, on the device, from the repository root:
+#   benches/gpu/device-run.sh [STEP...]
+# Steps (default: all, in this order; each can run on its own, the device tool allows 10 minutes
+# a call, so a session usually runs "info doctor tests parity", then "dataset", then "bench", then
+# "daemon"):
+#   info     the GPU, driver, CPU count, CUDA libraries
+#   doctor   `ailhd doctor` (libraries, self-test of both setups against the float64 reference)
+#   tests    the gpu_parity tests with AILHD_REQUIRE_GPU=1 (fail, never skip)
+#   parity   rebuild of the fixture tree with --device cuda and cpu, both setups; rows against
+#            the reference fixtures and cuda against cpu, read with h5py (parity.py)
+#   dataset  the benchmark tree: $N clips (default 39,563) made by make_dataset.py
+#   bench    two rounds of: rebuild --device cuda (peak GPU memory sampled), rebuild --device
+#            cpu, the torchaudio implementation of the same job (torchaudio_baseline.py)
+#   daemon   the service at 100 clips/s and a burst, featurising on the GPU (daemon benchmark)
+# Results and logs go to $OUT (default /tmp/ailhd-gpu); scratch to $WORK (default /tmp/ailhd-work).
 set -uo pipefail
 CARRY=${CARRY:-.device-carry}
 OUT=${OUT:-/tmp/ailhd-gpu}
-BIN=$(realpath "$CARRY/ailhd")
-HERE=$(dirname "$(realpath "$0")")
 W=${WORK:-/tmp/ailhd-work}
-mkdir -p "$W" "$OUT"
 N=${N:-39563}
-steps=${*:-info doctor parity bench}
+HERE=$(dirname "$(realpath "$0")")
+[ -x "$CARRY/ailhd" ] || { echo "no $CARRY/ailhd: run benches/gpu/prepare-carry.sh first and carry $CARRY" >&2; exit 1; }
+BIN=$(realpath "$CARRY/ailhd")
+mkdir -p "$W" "$OUT"
+steps=${*:-info doctor tests parity dataset bench daemon}
+failed=0
 
 conf() { # conf NAME TREE OUTDIR [features-toml]
-    cat >"$W/$1.toml" <<EOT
-[paths]
-recordings = "$2"
-output = "$3"
-state = "$3.state"
-$(cat "${4:-/dev/null}" 2>/dev/null)
-EOT
+    {
+        printf '[paths]\nrecordings = "%s"\noutput = "%s"\nstate = "%s.state"\n' "$2" "$3" "$3"
+        if [ -n "${4:-}" ]; then cat "$4"; fi
+    } >"$W/$1.toml"
     echo "$W/$1.toml"
 }
 
-for step in $steps; do case $step in
+# timed LOG CMD...: run CMD, stdout to LOG; prints wall seconds and, where GNU time exists, peak RSS.
+timed() {
+    local log=$1; shift
+    local t0 t1 rc
+    t0=$(date +%s.%N)
+    if [ -x /usr/bin/time ]; then
+        /usr/bin/time -f "%M" -o "$log.rss" "$@" >"$log" 2>"$log.err"; rc=$?
+    else
+        "$@" >"$log" 2>"$log.err"; rc=$?
+    fi
+    t1=$(date +%s.%N)
+    printf '%.2f s wall' "$(echo "$t1 - $t0" | bc -l 2>/dev/null || python3 -c "print($t1 - $t0)")"
+    [ -f "$log.rss" ] && printf ', %s KB peak RSS' "$(tail -1 "$log.rss")"
+    [ $rc -eq 0 ] || { printf ' FAILED (exit %s)' $rc; failed=1; }
+    echo
+}
+
+for step in $steps; do
+echo "=== $step"
+case $step in
 info)
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
-    nproc; free -g | head -2
-    ldconfig -p | grep -E 'libcuda\.so|libnvrtc|libcufft' | head
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/info.txt"
+    { nproc; free -g | head -2; ldconfig -p | grep -E 'libcuda\.so|libnvrtc|libcufft' | head; } | tee -a "$OUT/info.txt"
     ;;
 doctor)
-    "$BIN" doctor 2>&1 | tee "$OUT/doctor.txt"
+    "$BIN" doctor 2>&1 | tee "$OUT/doctor.txt" || failed=1
+    ;;
+tests)
+    AILHD_REQUIRE_GPU=1 AILHD_SHARED="$CARRY/shared" "$CARRY/gpu_parity" --test-threads 1 --nocapture \
+        >"$OUT/tests.txt" 2>&1 || failed=1
+    grep -E "^test |test result|skipping|panicked|GPU vs reference|DeviceTimes" "$OUT/tests.txt" | head -80
     ;;
 parity)
     rm -rf "$W/fx"; mkdir -p "$W/fx/LEAK"; cp "$CARRY"/shared/fixtures/features/wav/*.wav "$W/fx/LEAK/"
     for setup in default overlap32; do
-        feat=/dev/null; [ $setup = overlap32 ] && feat="$CARRY/overlap32.toml"
+        feat=""; [ $setup = overlap32 ] && feat="$CARRY/overlap32.toml"
         for dev in cuda cpu; do
             rm -rf "$W/out-$setup-$dev" "$W/out-$setup-$dev.state"
             c=$(conf "$setup-$dev" "$W/fx" "$W/out-$setup-$dev" "$feat")
-            "$BIN" --config "$c" rebuild --device $dev >"$OUT/parity-$setup-$dev.log" 2>&1 \
-                || { echo "rebuild $setup $dev FAILED"; tail -20 "$OUT/parity-$setup-$dev.log"; }
+            printf 'rebuild %s --device %s: ' $setup $dev
+            timed "$OUT/parity-$setup-$dev.log" "$BIN" --config "$c" rebuild --device $dev
         done
         echo "== $setup: cuda vs reference (and vs cpu)"
-        python3 "$HERE/parity.py" "$W/out-$setup-cuda" "$CARRY/shared/fixtures/features/expected/$setup" "$W/out-$setup-cpu" | tee "$OUT/parity-$setup.txt" | tail -25
+        python3 "$HERE/parity.py" "$W/out-$setup-cuda" "$CARRY/shared/fixtures/features/expected/$setup" "$W/out-$setup-cpu" \
+            >"$OUT/parity-$setup.txt" 2>&1 || failed=1
+        tail -25 "$OUT/parity-$setup.txt"
     done
     ;;
+dataset)
+    if [ -d "$W/tree" ] && [ "$(find "$W/tree" -name '*.wav' | wc -l)" -eq "$N" ]; then
+        echo "tree of $N clips already at $W/tree"
+    else
+        rm -rf "$W/tree"
+        printf 'make_dataset.py, %s clips: ' "$N"
+        timed "$OUT/dataset.log" python3 "$CARRY/make_dataset.py" "$W/tree" "$N" 1
+    fi
+    du -sh "$W/tree"
+    ;;
 bench)
-    [ -d "$W/tree" ] || python3 "$CARRY/make_dataset.py" "$W/tree" "$N" 1 >/dev/null
-    find "$W/tree" -type f -exec cat {} + >/dev/null  # warm page cache
+    [ -d "$W/tree" ] || { echo "no tree: run the dataset step first"; failed=1; continue; }
+    find "$W/tree" -type f -exec cat {} + >/dev/null  # warm page cache, as for the CPU figures
     for round in 1 2; do
         for dev in cuda cpu; do
             rm -rf "$W/big-$dev" "$W/big-$dev.state"
             c=$(conf "big-$dev" "$W/tree" "$W/big-$dev")
-            /usr/bin/time -f "%e s wall, %M KB peak RSS" "$BIN" --config "$c" rebuild --device $dev --json \
-                >"$OUT/bench-$dev-$round.json" 2>"$OUT/bench-$dev-$round.err"
-            echo "rebuild --device $dev round $round: $(tail -1 "$OUT/bench-$dev-$round.err")"
-            python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in r if k not in ('quarantined',)})" "$OUT/bench-$dev-$round.json" 2>&1 | cut -c1-900
+            smi=""
+            if [ $dev = cuda ]; then
+                nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 50 \
+                    >"$OUT/gpu-memory-$round.csv" 2>/dev/null &
+                smi=$!
+            fi
+            printf 'rebuild --device %s round %s: ' $dev $round
+            timed "$OUT/bench-$dev-$round.json" "$BIN" --config "$c" rebuild --device $dev --json
+            if [ -n "$smi" ]; then
+                kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+                echo "  peak GPU memory in use (whole GPU, MiB): $(sort -n "$OUT/gpu-memory-$round.csv" | tail -1)"
+            fi
+            python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in r if k not in ('quarantined',)})" \
+                "$OUT/bench-$dev-$round.json" 2>&1 | cut -c1-1500
         done
-        python3 "$HERE/torchaudio_baseline.py" "$W/tree" "$W/torchaudio.h5" 2>&1 | tail -2
+        python3 "$HERE/torchaudio_baseline.py" "$W/tree" "$W/torchaudio.h5" >"$OUT/torchaudio-$round.txt" 2>&1 || failed=1
+        echo "torchaudio round $round: $(tail -1 "$OUT/torchaudio-$round.txt")"
     done
     ;;
-tests)
-    # The GPU tests, release build: they fail (not skip) when the GPU is present but unusable.
-    AILHD_SHARED="$CARRY/shared" "$CARRY/gpu_parity" --test-threads 1 --nocapture 2>&1 | tee "$OUT/tests.txt" | grep -E "^test |test result|skipping|panicked|GPU vs reference" | head -60
-    ;;
 daemon)
-    # The service's latency at 100 clips/s and a burst, featurising on the GPU. The benchmark
-    # runs the binary at the path cargo baked into it.
-    exe=$(strings "$CARRY/daemon_bench" | grep -o -m1 '/[A-Za-z0-9_/.-]*/target/release/ailhd' | head -1)
-    mkdir -p "$(dirname "$exe")"; cp "$BIN" "$exe"
-    AILHD_INGEST__DEVICE=cuda "$CARRY/daemon_bench" ${DAEMON_ARGS:-1000 5000} 2>&1 | tee "$OUT/daemon-cuda.txt" | tail -20
+    # The benchmark runs the binary at the path cargo baked into it; put ours there.
+    exe=$(cat "$CARRY/daemon_bench.ailhd-path" 2>/dev/null || grep -a -o -m1 '/[A-Za-z0-9_/.-]*/release/ailhd' "$CARRY/daemon_bench" | head -1)
+    mkdir -p "$(dirname "$exe")" && cp "$BIN" "$exe"
+    read -r -a dargs <<<"${DAEMON_ARGS:-1000 5000}"  # stream clips at 100/s, burst clips
+    # The benchmark waits for the service to start: bounded, in case `ailhd run` cannot.
+    AILHD_INGEST__DEVICE=cuda timeout "${DAEMON_TIMEOUT:-500}" "$CARRY/daemon_bench" "${dargs[@]}" \
+        >"$OUT/daemon-cuda.txt" 2>&1 || { echo "daemon benchmark FAILED (exit $?)"; failed=1; }
+    tail -20 "$OUT/daemon-cuda.txt"
     ;;
-esac; done
+*)
+    echo "unknown step $step"; failed=1
+    ;;
+esac
+done
+exit $failed

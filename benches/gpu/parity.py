@@ -7,7 +7,8 @@ source_path's file stem is NAME is checked with the case's tolerance: "f16ulp" (
 rule: within max(one float16 ulp, 0.005 dB) wherever the reference lies within 100 dB of the
 recording's maximum, and more than 90 dB below it elsewhere) or "resampled" (within 0.5 dB where
 the reference is within 40 dB of its maximum, at least 30 dB below it elsewhere).
-Prints one line per case and a summary; exits 1 on any violation.
+Prints one line per case and a summary; exits 1 on any violation, a row missing from OTHER_OUTPUT,
+or when no row has a reference.
 """
 import os
 import sys
@@ -62,6 +63,7 @@ def main():
     cases = json.load(open(os.path.join(expected, "..", "..", "cases.json")))["cases"]
     failures = 0
     worst = 0.0
+    checked = 0
     for sp in sorted(got):
         stem = os.path.splitext(os.path.basename(sp))[0]
         ref_path = os.path.join(expected, stem + ".npy")
@@ -72,15 +74,22 @@ def main():
             bad, frac = check(got[sp], ref, resampled)
             worst = max(worst, frac)
             failures += bad > 0
+            checked += 1
             line += f" ref: {'FAIL ' + str(bad) if bad else 'ok'} (worst {frac:.3f} of tolerance)"
-        if other is not None and sp in other:
+        if other is not None and sp not in other:
+            failures += 1
+            line += " vs other: MISSING there"
+        elif other is not None:
             a = got[sp].astype(np.float64)
             b = other[sp].astype(np.float64)
             same = np.array_equal(got[sp].view(np.uint16), other[sp].view(np.uint16))
             line += f" vs other: {'identical' if same else 'max diff %.4f dB, %d values differ' % (np.nanmax(np.abs(a - b)), int((got[sp].view(np.uint16) != other[sp].view(np.uint16)).sum()))}"
         print(line)
-    print(f"parity: {len(got)} rows, {failures} with violations, worst {worst:.3f} of tolerance")
-    sys.exit(1 if failures else 0)
+    print(f"parity: {len(got)} rows, {checked} with a reference, {failures} with violations, "
+          f"worst {worst:.3f} of tolerance")
+    if checked == 0:
+        print(f"parity: FAILED, no row of {out} has a reference (missing or empty output?)")
+    sys.exit(1 if failures or checked == 0 else 0)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,22 @@ pub trait Featuriser: Send {
     /// Featurise `batch`; `out` holds `batch.len() * shape().row_len()` values, row i at
     /// `i * row_len`. A row depends only on its own waveform (never on the rest of the batch).
     fn featurise(&mut self, batch: &[&Waveform], out: &mut [f16]) -> anyhow::Result<()>;
+
+    /// The pipelined form of [`featurise`](Featuriser::featurise), for a stage that keeps the
+    /// device busy while it prepares the next batch: `submit` starts `batch` into `rows`
+    /// (`batch.len() * row_len` values, taken over; the waveforms are no longer needed when it
+    /// returns) and [`finish`](Featuriser::finish) hands the rows back, oldest batch first, the
+    /// same rows `featurise` gives. Up to [`depth`](Featuriser::depth) batches can be in flight
+    /// before `submit` itself waits for the device. On the CPU, `submit` does the work and
+    /// `finish` only returns it. `featurise` refuses to run while submitted batches are not
+    /// finished.
+    fn submit(&mut self, batch: &[&Waveform], rows: Vec<f16>) -> anyhow::Result<()>;
+    /// The rows of the oldest submitted batch (waiting for the device); None when none is left.
+    fn finish(&mut self) -> anyhow::Result<Option<Vec<f16>>>;
+    /// How many submitted batches the device overlaps (1 where `submit` does the work itself).
+    fn depth(&self) -> usize {
+        1
+    }
     /// A GPU's own stage times (staging, upload, kernels, download); None on the CPU.
     fn device_times(&self) -> Option<cuda::DeviceTimes> {
         None

@@ -30,6 +30,7 @@ use anyhow::Context;
 use half::f16;
 use plan::{Plan, Scratch};
 use rayon::prelude::*;
+use std::collections::VecDeque;
 use std::sync::Mutex;
 
 /// Featurises on the CPU; see the module documentation.
@@ -42,6 +43,8 @@ pub struct CpuFeaturiser {
     /// For single-recording batches (the daemon's usual case), done on the caller's thread
     /// without waking the pool.
     local: Scratch,
+    /// Rows of submitted batches, made at `submit`, handed back by `finish`.
+    done: VecDeque<Vec<f16>>,
 }
 
 impl CpuFeaturiser {
@@ -71,6 +74,7 @@ impl CpuFeaturiser {
             plan,
             pool,
             scratch,
+            done: VecDeque::new(),
         })
     }
 }
@@ -84,7 +88,28 @@ impl Featuriser for CpuFeaturiser {
         self.plan.shape
     }
 
+    fn submit(&mut self, batch: &[&Waveform], mut rows: Vec<f16>) -> anyhow::Result<()> {
+        self.featurise_now(batch, &mut rows)?;
+        self.done.push_back(rows);
+        Ok(())
+    }
+
+    fn finish(&mut self) -> anyhow::Result<Option<Vec<f16>>> {
+        Ok(self.done.pop_front())
+    }
+
     fn featurise(&mut self, batch: &[&Waveform], out: &mut [f16]) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.done.is_empty(),
+            "featurise called while {} submitted batches are not finished",
+            self.done.len()
+        );
+        self.featurise_now(batch, out)
+    }
+}
+
+impl CpuFeaturiser {
+    fn featurise_now(&mut self, batch: &[&Waveform], out: &mut [f16]) -> anyhow::Result<()> {
         let row_len = self.plan.shape.row_len();
         let num_samples = self.plan.shape.num_samples;
         anyhow::ensure!(

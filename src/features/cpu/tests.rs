@@ -367,3 +367,36 @@ fn rows_do_not_depend_on_batch_or_threads() {
         }
     }
 }
+
+/// The pipelined interface gives `featurise`'s rows, oldest batch first, and `featurise` waits
+/// until every submitted batch is finished.
+#[test]
+fn submit_and_finish_give_featurise_rows_in_order() {
+    let settings = FeatureSettings::overlap32();
+    let sigs = signals(settings.shape().num_samples);
+    let wavs: Vec<&Waveform> = sigs.iter().map(|(_, w)| w).collect();
+    let row_len = settings.shape().row_len();
+    let mut f = CpuFeaturiser::new(&settings, 2).unwrap();
+    let mut expected = vec![f16::ZERO; wavs.len() * row_len];
+    f.featurise(&wavs, &mut expected).unwrap();
+    let batches: Vec<&[&Waveform]> = vec![&wavs[..1], &wavs[1..], &wavs[..0], &wavs[2..4]];
+    for b in &batches {
+        f.submit(b, vec![f16::ZERO; b.len() * row_len]).unwrap();
+    }
+    let mut one = vec![f16::ZERO; row_len];
+    let err = f.featurise(&wavs[..1], &mut one).unwrap_err().to_string();
+    assert!(err.contains("4 submitted batches"), "{err}");
+    let starts = [0, 1, 0, 2];
+    for (b, start) in batches.iter().zip(starts) {
+        let rows = f.finish().unwrap().expect("a batch is pending");
+        assert_eq!(rows.len(), b.len() * row_len);
+        let want = &expected[start * row_len..(start + b.len()) * row_len];
+        assert!(rows
+            .iter()
+            .zip(want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+    assert!(f.finish().unwrap().is_none());
+    f.featurise(&wavs[..1], &mut one).unwrap();
+    assert!(f.submit(&wavs[..1], vec![f16::ZERO; 3]).is_err());
+}

@@ -5,9 +5,9 @@
 use super::compile::load_kernels;
 use super::libraries::{guarded, panic_message, probe_libraries, LibraryStatus};
 use super::parity;
-use super::pipeline::{FftBuffers, InputPath, Kernels, Slot};
+use super::pipeline::{FftBuffers, InputPath, Kernels, Ring, Slot};
 use super::tables::{chunk_files_for, device_bytes, Geometry, KernelTables};
-use super::{BLOCK_THREADS, PLAN_FILES};
+use super::{BLOCK_THREADS, PLAN_FILES, SLOTS};
 use crate::config::{FeatureSettings, FeatureShape};
 use crate::decode::Waveform;
 use crate::features::{mel, reference, Featuriser, Precision};
@@ -29,18 +29,21 @@ pub struct CudaFeaturiser {
     /// Caps the grid of the grid-stride kernels.
     pub(super) sm_count: u32,
     pub(super) kernels: Kernels,
-    /// One batched R2C or D2Z plan for [`PLAN_FILES`] recordings (fewer when a chunk is
-    /// smaller), run group by group over a chunk. Made in `new`; `None` only while dropping.
+    /// One batched R2C or D2Z plan for [`PLAN_FILES`] recordings, run group by group over a
+    /// chunk, whatever the batch size. Made in `new`; `None` only while dropping.
     pub(super) plan: Option<CudaFft>,
-    /// Recordings the plan transforms per execution.
+    /// Recordings the plan transforms per execution: always [`PLAN_FILES`].
     pub(super) plan_files: usize,
     pub(super) fft: FftBuffers,
     pub(super) mel_start: CudaSlice<i32>,
     pub(super) mel_offset: CudaSlice<i32>,
     pub(super) mel_weights: CudaSlice<f32>,
-    /// Scratch of the compute stream, shared by both slots (kernels run one chunk at a time).
+    /// Scratch of the compute stream, shared by the slots (kernels run one chunk at a time).
     pub(super) mel_db: CudaSlice<f32>,
-    pub(super) slots: [Slot; 2],
+    /// [`SLOTS`] staging slots, used round robin.
+    pub(super) slots: Vec<Slot>,
+    /// The chunks on the device and the submitted batches waiting for their rows.
+    pub(super) ring: Ring,
     pub(super) compute: Arc<CudaStream>,
     pub(super) upload: Arc<CudaStream>,
     pub(super) download: Arc<CudaStream>,
@@ -52,13 +55,16 @@ pub struct CudaFeaturiser {
 
 /// Where a chunk's time goes, summed over chunks (seconds): the host copying recordings into
 /// pinned staging; the upload (host to device); the kernels and FFT; the download of the rows
-/// (from the last kernel's end, so it includes any wait for the download stream).
+/// (from the last kernel's end, so it includes any wait for the download stream); and `wait`,
+/// the host's time blocked waiting for rows (near 0 when the pipeline keeps the GPU ahead).
+/// Upload, compute and download are device times and overlap each other across chunks.
 #[derive(Debug, Default, Clone, Copy, Serialize)]
 pub struct DeviceTimes {
     pub stage: f64,
     pub upload: f64,
     pub compute: f64,
     pub download: f64,
+    pub wait: f64,
     pub chunks: u64,
     /// Building the featuriser: context, NVRTC, plans, buffers and the self-check.
     pub start: f64,
@@ -131,16 +137,19 @@ impl CudaFeaturiser {
         let mut chunk_files = chunk_files_for(&g);
         let (free, _total) = ctx.mem_get_info()?;
         // Leave room for cuFFT's work areas and other processes: use at most half of what is free.
-        while chunk_files > 1 && device_bytes(&g, precision, chunk_files) > free / 2 {
+        // Never below one FFT group: the plan (and so every row's arithmetic) is the same on
+        // every GPU and at every batch size.
+        while chunk_files > PLAN_FILES && device_bytes(&g, precision, chunk_files) > free / 2 {
             chunk_files /= 2;
         }
+        let chunk_files = chunk_files.max(PLAN_FILES);
         ensure!(
             device_bytes(&g, precision, chunk_files) <= free,
-            "not enough GPU memory: {} MiB free, one recording needs {} MiB",
+            "not enough GPU memory: {} MiB free, a chunk of {chunk_files} recordings needs {} MiB",
             free >> 20,
-            device_bytes(&g, precision, 1) >> 20
+            device_bytes(&g, precision, chunk_files) >> 20
         );
-        let plan_files = PLAN_FILES.min(chunk_files);
+        let plan_files = PLAN_FILES;
 
         let mut weights = tables.mel_weights.clone();
         if weights.is_empty() {
@@ -179,7 +188,10 @@ impl CudaFeaturiser {
             pcm_host.as_mut_slice()?.fill(0);
             let mut rows_host = unsafe { ctx.alloc_pinned_with_flags::<u16>(rows_cap, 0) }?;
             rows_host.as_mut_slice()?.fill(0);
+            // Events the host waits on block (instead of spinning a core); the timing marks
+            // need timing enabled (cudarc's default flags disable it, and elapsed_ms then fails).
             let blocking = Some(dsys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
+            let timing = Some(dsys::CUevent_flags::CU_EVENT_DEFAULT);
             Ok(Slot {
                 pcm_host,
                 pcm_dev: compute.alloc_zeros::<i16>(samples_cap)?,
@@ -188,15 +200,17 @@ impl CudaFeaturiser {
                 rows_dev: compute.alloc_zeros::<u16>(rows_cap)?,
                 rows_host,
                 uploaded: ctx.new_event(blocking)?,
-                upload_start: ctx.new_event(None)?,
-                compute_start: ctx.new_event(None)?,
-                compute_end: ctx.new_event(None)?,
+                upload_start: ctx.new_event(timing)?,
+                compute_start: ctx.new_event(timing)?,
+                compute_end: ctx.new_event(timing)?,
                 downloaded: ctx.new_event(blocking)?,
                 files: 0,
                 path: InputPath::Pcm16,
             })
         };
-        let slots = [make_slot()?, make_slot()?];
+        let slots = (0..SLOTS)
+            .map(|_| make_slot())
+            .collect::<anyhow::Result<_>>()?;
 
         let batch = i32::try_from(plan_files * g.frames_per_file as usize)
             .context("FFT batch too large")?;
@@ -227,6 +241,7 @@ impl CudaFeaturiser {
             mel_weights,
             mel_db,
             slots,
+            ring: Ring::default(),
             compute,
             upload,
             download,
@@ -314,14 +329,39 @@ impl Featuriser for CudaFeaturiser {
     }
 
     fn featurise(&mut self, batch: &[&Waveform], out: &mut [f16]) -> anyhow::Result<()> {
+        self.check_batch(batch, out.len())?;
+        ensure!(
+            self.ring.pending.is_empty(),
+            "featurise called while {} submitted batches are not finished",
+            self.ring.pending.len()
+        );
+        self.on_device(|f| f.run_batch(batch, out))
+    }
+
+    fn depth(&self) -> usize {
+        SLOTS
+    }
+
+    fn submit(&mut self, batch: &[&Waveform], rows: Vec<f16>) -> anyhow::Result<()> {
+        self.check_batch(batch, rows.len())?;
+        self.on_device(|f| f.submit_batch(batch, rows))
+    }
+
+    fn finish(&mut self) -> anyhow::Result<Option<Vec<f16>>> {
+        self.on_device(|f| f.finish_batch())
+    }
+}
+
+impl CudaFeaturiser {
+    /// Refuse a batch the device buffers were not made for (before anything is queued).
+    fn check_batch(&self, batch: &[&Waveform], out_len: usize) -> anyhow::Result<()> {
         if let Some(why) = &self.poisoned {
             bail!("the CUDA featuriser is disabled after an earlier failure ({why})");
         }
         let row_len = self.shape.row_len();
         ensure!(
-            out.len() == batch.len() * row_len,
-            "output holds {} values, {} recordings need {}",
-            out.len(),
+            out_len == batch.len() * row_len,
+            "output holds {out_len} values, {} recordings need {}",
             batch.len(),
             batch.len() * row_len
         );
@@ -333,14 +373,25 @@ impl Featuriser for CudaFeaturiser {
                 self.shape.num_samples
             );
         }
-        match catch_unwind(AssertUnwindSafe(|| self.run_batch(batch, out))) {
-            Ok(result) => result,
-            Err(payload) => {
-                let why = format!("cudarc panicked: {}", panic_message(&*payload));
-                self.poisoned = Some(why.clone());
-                bail!("CUDA featuriser failed: {why}")
-            }
+        Ok(())
+    }
+
+    /// Run device work. A failure (an error or a cudarc panic) leaves chunks of unknown state
+    /// in the ring and, with CUDA, usually a broken context: the featuriser refuses further work.
+    fn on_device<T>(
+        &mut self,
+        work: impl FnOnce(&mut Self) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        if let Some(why) = &self.poisoned {
+            bail!("the CUDA featuriser is disabled after an earlier failure ({why})");
         }
+        let why = match catch_unwind(AssertUnwindSafe(|| work(&mut *self))) {
+            Ok(Ok(value)) => return Ok(value),
+            Ok(Err(e)) => format!("{e:#}"),
+            Err(payload) => format!("cudarc panicked: {}", panic_message(&*payload)),
+        };
+        self.poisoned = Some(why.clone());
+        bail!("CUDA featuriser failed: {why}")
     }
 }
 
@@ -349,8 +400,8 @@ impl Drop for CudaFeaturiser {
         let t = self.times;
         if t.chunks > 0 {
             log::info!(
-                "GPU featuriser, {} chunks: staging {:.3} s, upload {:.3} s, kernels and FFT {:.3} s, download {:.3} s (start-up {:.2} s)",
-                t.chunks, t.stage, t.upload, t.compute, t.download, t.start
+                "GPU featuriser, {} chunks: staging {:.3} s, upload {:.3} s, kernels and FFT {:.3} s, download {:.3} s, host waiting {:.3} s (start-up {:.2} s)",
+                t.chunks, t.stage, t.upload, t.compute, t.download, t.wait, t.start
             );
         }
         // Copies may still be in flight after an error; the pinned buffers must outlive them.

@@ -177,6 +177,15 @@ pub struct CudaProbe {
     pub problems: Vec<String>,
 }
 
+impl CudaProbe {
+    /// Whether this host has an NVIDIA GPU at all: the driver lists one, or the kernel driver's
+    /// device node exists (a GPU whose user-space libraries are missing or broken is still a
+    /// GPU: featurising on it failing is a fault to report, not a host without a GPU).
+    pub fn gpu_present(&self) -> bool {
+        !self.gpus.is_empty() || std::path::Path::new("/dev/nvidia0").exists()
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct GpuInfo {
     pub ordinal: usize,

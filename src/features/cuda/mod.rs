@@ -6,10 +6,13 @@
 //!
 //! Per chunk of recordings: int16 (or float) samples -> pinned staging -> device (upload stream);
 //! `frame_*` (frames x periodic Hann) -> cuFFT R2C or D2Z (the FFT precision the accuracy rule
-//! needs, [`super::Precision`]) -> `power_mel_db_*` ->
-//! `finalize_rows` (per-recording top_db clamp, float16) on the compute stream; rows -> pinned ->
-//! `out` (download stream). A batch larger than one chunk is pipelined: the host stages chunk k+1
-//! and its upload runs while chunk k computes. Kernels: `kernels/features.cu`.
+//! needs, [`super::Precision`]; one plan of [`PLAN_FILES`] recordings for every batch size) ->
+//! `power_mel_db_*` -> `finalize_rows` (per-recording top_db clamp, float16) on the compute
+//! stream; rows -> pinned (download stream) -> the caller. Chunks go round robin through
+//! [`SLOTS`] staging slots: the host copies chunk k while the GPU uploads, computes and downloads
+//! the chunks before it, and waits only when it needs a slot back. `featurise` waits for its own
+//! last chunks; `submit`/`finish` (the [`Featuriser`](super::Featuriser) trait) keep batches in
+//! flight across calls, so consecutive batches overlap too. Kernels: `kernels/features.cu`.
 //!
 //! Files: this one, the constants shared by the host code and the kernels; `libraries.rs`, finding
 //! the CUDA libraries and GPUs (`doctor` and start-up); `tables.rs`, what the kernels are given
@@ -62,3 +65,7 @@ const MAX_CHUNK_FILES: usize = 4096;
 /// it (the determinism rule: plans for other batch sizes may pick other algorithms). A small
 /// batch transforms one whole group, idle frames included (tens of microseconds on an H100).
 const PLAN_FILES: usize = 64;
+
+/// Staging slots: triple buffering. While the host copies chunk k into one slot, the GPU works
+/// on chunks k-1 and k-2 in the others (upload, kernels and download on three streams).
+const SLOTS: usize = 3;

@@ -12,6 +12,7 @@ use cudarc::driver::{
 };
 use half::f16;
 use rayon::prelude::*;
+use std::collections::VecDeque;
 
 /// Which kernel 1 a staged chunk needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,14 +23,14 @@ pub(super) enum InputPath {
     Float,
 }
 
-/// Staging for one in-flight chunk. There are two, so chunk k+1 is staged and uploaded while
+/// Staging for one in-flight chunk. There are [`SLOTS`](super::SLOTS), so chunk k+1 is staged and uploaded while
 /// chunk k computes.
 pub(super) struct Slot {
     pub(super) pcm_host: PinnedHostSlice<i16>,
     pub(super) pcm_dev: CudaSlice<i16>,
-    /// Float path buffers, made the first time this slot stages a float recording (for slot 0,
-    /// that is the start-up self-check): these are twice the size of the int16 ones, and slot 1's
-    /// are only needed by hosts that see float recordings in big batches.
+    /// Float path buffers, made the first time this slot stages a float recording (for one
+    /// slot, that is the start-up self-check): these are twice the size of the int16 ones, and
+    /// the other slots' are only needed by hosts that see float recordings.
     pub(super) float_host: Option<PinnedHostSlice<f32>>,
     pub(super) float_dev: Option<CudaSlice<f32>>,
     pub(super) rows_dev: CudaSlice<u16>,
@@ -58,7 +59,7 @@ pub(super) struct Kernels {
 }
 
 /// The FFT stage's buffers in the precision the accuracy rule needs: the window, one chunk's
-/// frames and their spectra (scratch of the compute stream, shared by both slots).
+/// frames and their spectra (scratch of the compute stream, shared by the slots).
 pub(super) enum FftBuffers {
     F32 {
         window: CudaSlice<f32>,
@@ -238,9 +239,11 @@ impl CudaFeaturiser {
     /// Host: wait for slot `s`'s rows and copy them out.
     pub(super) fn collect(&mut self, s: usize, out: &mut [f16]) -> anyhow::Result<()> {
         let slot = &mut self.slots[s];
+        let waiting = std::time::Instant::now();
         slot.downloaded
             .synchronize()
             .context("waiting for the GPU (an earlier kernel may have failed)")?;
+        self.times.wait += waiting.elapsed().as_secs_f64();
         // All of the slot's events have completed: add up its device times.
         let ms = |a: &CudaEvent, b: &CudaEvent| a.elapsed_ms(b).map(|t| t as f64 * 1e-3);
         self.times.upload += ms(&slot.upload_start, &slot.uploaded)?;
@@ -253,39 +256,130 @@ impl CudaFeaturiser {
         Ok(())
     }
 
+    /// The chunk `files` (recordings `offset / row_len ..` of its batch) onto the device through
+    /// the next slot: when that slot still holds an earlier chunk, its rows are collected first
+    /// (into `out` for a `featurise` call, into its batch's buffer for a submitted one). The host
+    /// copy of this chunk then runs while the GPU works on the chunks already queued.
+    fn launch_chunk(
+        &mut self,
+        files: &[&Waveform],
+        batch: Option<u64>,
+        offset: usize,
+        out: &mut [f16],
+    ) -> anyhow::Result<()> {
+        let s = self.ring.next_slot;
+        if self.ring.in_flight.len() == self.slots.len() {
+            self.collect_oldest(out)?;
+        }
+        debug_assert!(self.ring.in_flight.iter().all(|c| c.slot != s));
+        self.stage(s, files)?;
+        self.compute_and_download(s)?;
+        self.ring.in_flight.push_back(InFlight {
+            slot: s,
+            batch,
+            offset,
+            len: files.len() * self.shape.row_len(),
+        });
+        self.ring.next_slot = (s + 1) % self.slots.len();
+        Ok(())
+    }
+
+    /// Wait for the oldest chunk on the device and copy its rows to where they belong.
+    fn collect_oldest(&mut self, out: &mut [f16]) -> anyhow::Result<()> {
+        let c = self
+            .ring
+            .in_flight
+            .pop_front()
+            .expect("a chunk is in flight");
+        match c.batch {
+            None => self.collect(c.slot, &mut out[c.offset..c.offset + c.len]),
+            Some(seq) => {
+                let first = self.ring.pending.front().expect("its batch is pending").seq;
+                let i = usize::try_from(seq - first).expect("pending batches are few");
+                let mut rows = std::mem::take(&mut self.ring.pending[i].rows);
+                let collected = self.collect(c.slot, &mut rows[c.offset..c.offset + c.len]);
+                let pending = &mut self.ring.pending[i];
+                pending.rows = rows;
+                pending.chunks_left -= 1;
+                collected
+            }
+        }
+    }
+
+    /// `featurise`: every chunk through the ring, then wait for the last ones.
     pub(super) fn run_batch(&mut self, batch: &[&Waveform], out: &mut [f16]) -> anyhow::Result<()> {
+        debug_assert!(self.ring.pending.is_empty());
         self.ctx.bind_to_thread()?;
         let row_len = self.shape.row_len();
-        let chunks: Vec<(usize, usize)> = (0..batch.len())
-            .step_by(self.chunk_files)
-            .map(|start| (start, (start + self.chunk_files).min(batch.len())))
-            .collect();
-        let Some(&(first_start, first_end)) = chunks.first() else {
-            return Ok(());
-        };
-        // Pipeline: the host stages chunk k+1 (copy into pinned memory, async upload) while the
-        // GPU computes chunk k, and collects chunk k-1 meanwhile. Uploads and downloads have
-        // their own streams, so the upload of k+1 never queues behind the download of k (which
-        // waits for k's kernels).
-        self.stage(0, &batch[first_start..first_end])?;
-        for (k, &(start, end)) in chunks.iter().enumerate() {
-            self.compute_and_download(k % 2)?;
-            if let Some(&(next_start, next_end)) = chunks.get(k + 1) {
-                self.stage((k + 1) % 2, &batch[next_start..next_end])?;
-            }
-            if k >= 1 {
-                let (prev_start, prev_end) = chunks[k - 1];
-                self.collect(
-                    (k - 1) % 2,
-                    &mut out[prev_start * row_len..prev_end * row_len],
-                )?;
-            }
-            if k + 1 == chunks.len() {
-                self.collect(k % 2, &mut out[start * row_len..end * row_len])?;
-            }
+        for start in (0..batch.len()).step_by(self.chunk_files) {
+            let end = (start + self.chunk_files).min(batch.len());
+            self.launch_chunk(&batch[start..end], None, start * row_len, out)?;
+        }
+        while !self.ring.in_flight.is_empty() {
+            self.collect_oldest(out)?;
         }
         // Errors cudarc recorded where it could not return them (event records in drops).
         self.ctx.check_err()?;
         Ok(())
     }
+
+    /// `submit`: queue the batch's chunks; nothing waits but for a slot to reuse.
+    pub(super) fn submit_batch(
+        &mut self,
+        batch: &[&Waveform],
+        rows: Vec<f16>,
+    ) -> anyhow::Result<()> {
+        self.ctx.bind_to_thread()?;
+        let seq = self.ring.next_batch;
+        self.ring.next_batch += 1;
+        self.ring.pending.push_back(Pending {
+            seq,
+            rows,
+            chunks_left: batch.len().div_ceil(self.chunk_files),
+        });
+        let row_len = self.shape.row_len();
+        for start in (0..batch.len()).step_by(self.chunk_files) {
+            let end = (start + self.chunk_files).min(batch.len());
+            // A submitted batch never has a `featurise` chunk before it: no `out` needed.
+            self.launch_chunk(&batch[start..end], Some(seq), start * row_len, &mut [])?;
+        }
+        Ok(())
+    }
+
+    /// `finish`: the oldest submitted batch's rows, once all its chunks are collected.
+    pub(super) fn finish_batch(&mut self) -> anyhow::Result<Option<Vec<f16>>> {
+        while self.ring.pending.front().is_some_and(|p| p.chunks_left > 0) {
+            self.collect_oldest(&mut [])?;
+        }
+        self.ctx.check_err()?;
+        Ok(self.ring.pending.pop_front().map(|p| p.rows))
+    }
+}
+
+/// What is on the device, oldest first, and the submitted batches waiting for their rows.
+#[derive(Default)]
+pub(super) struct Ring {
+    pub(super) in_flight: VecDeque<InFlight>,
+    pub(super) pending: VecDeque<Pending>,
+    /// The slot the next chunk goes through (round robin: the oldest chunk in flight holds it
+    /// when all slots are busy).
+    pub(super) next_slot: usize,
+    pub(super) next_batch: u64,
+}
+
+/// One chunk on the device.
+pub(super) struct InFlight {
+    slot: usize,
+    /// The submitted batch it belongs to; None for the running `featurise` call.
+    batch: Option<u64>,
+    /// Where its rows go in that batch's rows (values).
+    offset: usize,
+    len: usize,
+}
+
+/// A submitted batch: its rows, filled as its chunks are collected.
+pub(super) struct Pending {
+    seq: u64,
+    rows: Vec<f16>,
+    chunks_left: usize,
 }

@@ -2,7 +2,7 @@
 //! `kernels/features.cu`), the window and the mel filterbank as CSR ([`KernelTables`]), and how
 //! many recordings a chunk of device buffers holds.
 
-use super::{FRAME_BUDGET_SAMPLES, MAX_CHUNK_FILES};
+use super::{FRAME_BUDGET_SAMPLES, MAX_CHUNK_FILES, SLOTS};
 use crate::config::{DbMode, FeatureSettings};
 use crate::features::{mel, Precision};
 use anyhow::{anyhow, ensure};
@@ -193,7 +193,7 @@ pub(super) fn device_bytes(g: &Geometry, precision: Precision, files: usize) -> 
     frames * g.n_fft as usize * real
         + frames * g.n_freqs as usize * 2 * real
         + row * 4
-        + 2 * (files * g.num_samples as usize * 2 + row * 2)
+        + SLOTS * (files * g.num_samples as usize * 2 + row * 2)
 }
 
 #[cfg(test)]
