@@ -8,11 +8,16 @@ use std::time::Duration;
 #[test]
 fn check_config_accepts_the_shipped_files_and_names_bad_keys() {
     let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    // check-config also checks the folders: point them at a temporary world.
+    let folders = World::new("");
     for f in ["config/ailhd.toml", "config/overlap32.toml"] {
         let o = std::process::Command::new(bin())
             .arg("--config")
             .arg(repo.join(f))
             .arg("check-config")
+            .env("AILHD_PATHS__RECORDINGS", folders.rec())
+            .env("AILHD_PATHS__OUTPUT", folders.out())
+            .env("AILHD_PATHS__STATE", folders.state())
             .output()
             .unwrap();
         ok(&o);

@@ -84,11 +84,20 @@ fn check_config_refuses_a_state_folder_the_service_user_cannot_write() {
     std::fs::set_permissions(world.out(), std::fs::Permissions::from_mode(0o777)).unwrap();
     std::fs::create_dir_all(world.state()).unwrap();
     std::fs::set_permissions(world.state(), std::fs::Permissions::from_mode(0o555)).unwrap();
-    // Root writes anywhere: check as an unprivileged user then (the service's own situation).
+    // Root writes anywhere: check as an unprivileged user then (the service's own situation),
+    // with a copy of the binary that user can reach (the build folder may be private).
     let root = unsafe { libc::geteuid() } == 0;
     let mut cmd = world.cmd(&["check-config"]);
     if root {
         std::fs::set_permissions(world.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let copy = world.dir.path().join("ailhd");
+        std::fs::copy(bin(), &copy).unwrap();
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+        cmd = std::process::Command::new(&copy);
+        cmd.arg("--config")
+            .arg(&world.config)
+            .arg("check-config")
+            .env_remove("AILHD_CONFIG");
         use std::os::unix::process::CommandExt;
         cmd.uid(65534).gid(65534);
     }

@@ -4,7 +4,8 @@
 # dpkg, boots the rootfs with systemd-nspawn (systemd as the container's PID 1) and checks what
 # an operator relies on: the package's user, groups and enabled-not-started unit; one clean
 # failed start while unconfigured (no restart loop); READY=1; STATUS=; journal fields FILE and
-# REASON; `systemctl reload` accepted (exit 0) and refused (non-zero); the metrics textfile;
+# REASON; `systemctl reload` accepted (exit 0) and refused (non-zero); the metrics textfile and
+# (with the README's drop-in) the HTTP endpoint;
 # new recordings ingested; watchdog restart after SIGSTOP; clean stop. Powers the container off.
 #
 # Usage (root, from anywhere):   tests/system/run.sh            # builds the .deb with cargo deb
@@ -225,6 +226,19 @@ check "restarted and active" [ "$(C systemctl is-active ailhd)" = active ]
 committed20() { C ailhd status | grep -q 'committed 20'; }
 check "state survived the watchdog kill (committed 20)" committed20
 C sh -c 'rm -rf /run/systemd/system/ailhd.service.d && systemctl daemon-reload'
+
+step "metrics endpoint: [metrics] listen, with the drop-in the README gives"
+C sh -c 'mkdir -p /etc/systemd/system/ailhd.service.d && printf "[Service]\nPrivateNetwork=no\nRestrictAddressFamilies=AF_UNIX AF_INET AF_INET6\nIPAddressAllow=localhost\n" > /etc/systemd/system/ailhd.service.d/metrics.conf && systemctl daemon-reload'
+printf 'listen = "127.0.0.1:9187"\n' >> "$ROOT/etc/ailhd/ailhd.toml"
+C systemctl restart ailhd
+for _ in $(seq 1 50); do
+  C bash -c 'exec 3<>/dev/tcp/127.0.0.1/9187 && printf "GET /metrics HTTP/1.0\r\n\r\n" >&3 && cat <&3' > "$OUT/metrics-http.txt" 2>/dev/null && break; sleep 0.2
+done
+head -1 "$OUT/metrics-http.txt" | tee -a "$OUT/summary.txt"
+check "GET /metrics answers 200" grep -q '^HTTP/1.[01] 200' "$OUT/metrics-http.txt"
+check "GET /metrics serves the families" grep -q '^ailhd_files{state="committed"} 20' "$OUT/metrics-http.txt"
+sed -i '/^listen = /d' "$ROOT/etc/ailhd/ailhd.toml"
+C sh -c 'rm -rf /etc/systemd/system/ailhd.service.d && systemctl daemon-reload && systemctl restart ailhd'
 
 step "clean stop"
 C systemctl stop ailhd
