@@ -17,6 +17,11 @@ How it reads, and why:
   chunk), and each refresh checks a few rows against h5py's own reads; otherwise rows are read
   through h5py (sorted, runs of consecutive rows in one call, chunk cache off for unfiltered
   chunks so that a row costs a row and not a chunk).
+
+Known limit: rows never move or disappear, except when the service, restarting after a crash,
+takes back rows committed to the outputs but not to its own records. A process still reading a
+snapshot that covers such rows reads freed bytes until the next `refresh()`; for npy the file
+was cut short there, and touching those pages raises SIGBUS.
 """
 
 import collections.abc
@@ -201,6 +206,10 @@ class LiveDataset:
         old = self._rows
         if snap["identity"] != self._identity:
             old = np.empty(0, np.int64)
+            self._chunk_addr = np.empty(0, np.int64)
+        elif snap["committed"] < self._committed:
+            # Rows taken back (a writer recovering from a crash reclaims rows its own records
+            # do not cover): chunks past them may have been freed and written elsewhere since.
             self._chunk_addr = np.empty(0, np.int64)
         rows = np.flatnonzero(snap["valid"]).astype(np.int64)
         self._identity = snap["identity"]

@@ -1,0 +1,248 @@
+"""ailhd_reader on the outputs of `ailhd rebuild`: every split, both sources, equal to h5py's raw
+reads; then on copies made to look like a writer caught mid-commit (rows past committed_rows,
+rows set invalid) that only refresh() may reveal; pickling and worker processes (fork, spawn);
+a replaced output.
+usage: reader_values.py OUTPUT_DIR SCRATCH_DIR"""
+
+import json
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import sys
+import warnings
+
+import h5py
+import numpy as np
+
+from ailhd_reader import LiveDataset, OutputsReplaced
+from reader_util import SPLIT_FILES, check_dataset, fail, h5_truth, same_bits
+
+GHOST = 7.0  # the value of the rows a "writer" appended past committed_rows
+
+
+def read_batch(args):
+    ds, idx = args
+    b = ds.__getitems__(idx)
+    return os.getpid(), b.features, b.labels
+
+
+def all_splits(out, rng):
+    seen = 0
+    for split in SPLIT_FILES:
+        t = h5_truth(out, split)
+        for source in ("npy", "hdf5"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # the direct path must be taken, not fall back
+                ds = LiveDataset(out, split, source)
+            if not ds.direct:
+                fail(f"{split}/{source}: not reading direct")
+            check_dataset(ds, t, f"{split}/{source}", rng)
+            seen += len(ds)
+        slow = LiveDataset(out, split, "hdf5", direct=False)
+        if slow.direct:
+            fail("direct=False still reads direct")
+        check_dataset(slow, t, f"{split}/hdf5 via h5py", rng)
+        print(f"{split}: {len(t['visible'])} rows, both sources equal h5py's reads")
+    if seen == 0:
+        fail("no rows at all: the test tree did not produce outputs")
+
+
+def workers(out, rng):
+    """Pickled datasets read in fork and spawn worker processes (as DataLoader workers do)."""
+    t = h5_truth(out, "training")
+    for source in ("npy", "hdf5"):
+        ds = LiveDataset(out, "training", source)
+        ds[0]  # files open in this process: a fork must not use them
+        clone = pickle.loads(pickle.dumps(ds))
+        check_dataset(clone, t, f"unpickled {source}", rng, full=False)
+        jobs = [(ds, rng.choice(len(ds), min(len(ds), 7), replace=False).tolist()) for _ in range(6)]
+        for method in ("fork", "spawn"):
+            with mp.get_context(method).Pool(2) as pool:
+                res = pool.map(read_batch, jobs)
+            pids = {pid for pid, _, _ in res}
+            if os.getpid() in pids:
+                fail(f"{method}: work ran in the main process")
+            for (pid, feats, labels), (_, idx) in zip(res, jobs):
+                rows = t["visible"][idx]
+                if not same_bits(feats, t["segments_mel"][rows]) or not np.array_equal(
+                        labels, t["labels"][rows]):
+                    fail(f"{source} in a {method} worker: rows {rows} differ from h5py's")
+        print(f"{source}: pickled, fork and spawn workers read the same rows")
+
+
+def npy_set_rows(path, rows):
+    """Rewrite the row count in an npy header in place (as ailhd's commit does)."""
+    with open(path, "r+b") as fh:
+        raw = fh.read(4096)
+        hl = 10 + int.from_bytes(raw[8:10], "little")
+        head = raw[10:hl].decode("latin1")
+        start = head.index("'shape': (") + len("'shape': (")
+        end = start + len(head[start:].split(",")[0].split(")")[0])
+        new = head[:start] + str(rows) + head[end:]
+        new = new.rstrip() + " " * (len(head) - len(new.rstrip()) - 1) + "\n"
+        assert len(new) == len(head)
+        fh.seek(10)
+        fh.write(new.encode("latin1"))
+
+
+def in_child(fn, *args):
+    """Run fn(*args) in another process: HDF5 lets no process write a file it holds open for
+    reading, and the writer is another process anyway."""
+    p = mp.get_context("spawn").Process(target=fn, args=args)
+    p.start()
+    p.join()
+    if p.exitcode != 0:
+        fail(f"{fn.__name__}{args} failed in a child process")
+
+
+def h5_append_ghosts(path):
+    with h5py.File(path, "r+") as f:
+        n = int(f["committed_rows"][0])
+        for name, ds in f.items():
+            if name == "committed_rows":
+                continue
+            ds.resize(n + 3, axis=0)
+            if name == "segments_mel":
+                ds[n:] = np.full((3,) + ds.shape[1:], GHOST, np.float16)
+            elif name == "valid":
+                ds[n:] = 1
+            elif name in ("source_path", "sensor_id", "recording_id"):
+                ds[n:] = [b"ghost"] * 3
+
+
+def h5_invalidate(path, rows):
+    with h5py.File(path, "r+") as f:
+        for r in rows:
+            f["valid"][r] = 0
+
+
+def h5_commit(path, n):
+    with h5py.File(path, "r+") as f:
+        f["committed_rows"][0] = n
+
+
+def mid_commit_hdf5(out, scratch, rng):
+    """A file with 3 rows written past committed_rows, then 2 rows set invalid, then committed."""
+    d = os.path.join(scratch, "h5copy")
+    os.makedirs(d)
+    path = os.path.join(d, SPLIT_FILES["training"])
+    shutil.copy(os.path.join(out, SPLIT_FILES["training"]), path)
+    n = h5_truth(d, "training")["committed"]
+    in_child(h5_append_ghosts, path)
+    ds = {s: LiveDataset(d, "training", "hdf5", direct=(s == "direct")) for s in ("direct", "h5py")}
+    for k, v in ds.items():
+        if len(v) != n or v.rows.max() >= n:
+            fail(f"hdf5 {k}: rows past committed_rows ({n}) are served: len {len(v)}")
+        check_dataset(v, h5_truth(d, "training"), f"hdf5 {k} with uncommitted rows", rng, full=False)
+    gone = sorted(rng.choice(n, 2, replace=False).tolist())
+    in_child(h5_invalidate, path, gone)
+    for k, v in ds.items():
+        got = v.refresh()
+        if got != 0 or len(v) != n - 2 or set(gone) & set(v.rows.tolist()):
+            fail(f"hdf5 {k}: after 2 rows went invalid: refresh {got}, len {len(v)}, rows {gone} "
+                 "still served?")
+    in_child(h5_commit, path, n + 3)
+    for k, v in ds.items():
+        got = v.refresh()
+        if got != 3 or len(v) != n + 1:
+            fail(f"hdf5 {k}: after committing 3 rows refresh() = {got}, len {len(v)} (want 3, {n + 1})")
+        x, _ = v[-1]
+        if not np.all(x == GHOST) or v.meta(-1)["source_path"] != "ghost":
+            fail(f"hdf5 {k}: the newly committed last row is not the one written")
+        check_dataset(v, h5_truth(d, "training"), f"hdf5 {k} after commit", rng, full=False)
+    print("hdf5: rows past committed_rows hidden until committed; invalid rows drop out on refresh")
+
+
+def mid_commit_npy(out, scratch, rng):
+    d = os.path.join(scratch, "npycopy")
+    src = os.path.join(out, "npy", "training")
+    dst = os.path.join(d, "npy", "training")
+    shutil.copytree(src, dst)
+    attrs_path = os.path.join(dst, "attributes.json")
+    attrs = json.load(open(attrs_path))
+    n = int(attrs["committed_rows"])
+    # Rows appended past the headers' count (the writer's positional writes before a commit).
+    for name in os.listdir(dst):
+        if not name.endswith(".npy"):
+            continue
+        arr = np.load(os.path.join(dst, name), mmap_mode="r")
+        row = np.full(arr.shape[1:], GHOST, arr.dtype) if name == "segments_mel.npy" else \
+            np.ones(arr.shape[1:], arr.dtype)
+        with open(os.path.join(dst, name), "ab") as fh:
+            fh.write(np.stack([row] * 3).tobytes())
+    ds = LiveDataset(d, "training", "npy")
+    if len(ds) != n:
+        fail(f"npy: rows past the header count served: len {len(ds)}, committed {n}")
+    # Headers say n + 3 but attributes.json (written last by a commit) still n: not yet.
+    for name in os.listdir(dst):
+        if name.endswith(".npy"):
+            npy_set_rows(os.path.join(dst, name), n + 3)
+    if ds.refresh() != 0 or len(ds) != n:
+        fail("npy: rows served before attributes.json's committed_rows covers them")
+    valid = np.load(os.path.join(dst, "valid.npy"), mmap_mode="r+")
+    gone = sorted(rng.choice(n, 2, replace=False).tolist())
+    valid[gone] = 0
+    valid.flush()
+    del valid
+    got = ds.refresh()
+    if got != 0 or len(ds) != n - 2 or set(gone) & set(ds.rows.tolist()):
+        fail(f"npy: after 2 rows went invalid: refresh {got}, len {len(ds)}")
+    attrs["committed_rows"] = n + 3
+    json.dump(attrs, open(attrs_path, "w"))
+    got = ds.refresh()
+    if got != 3 or len(ds) != n + 1 or not np.all(ds[-1][0] == GHOST):
+        fail(f"npy: after commit refresh() = {got}, len {len(ds)}")
+    print("npy: rows past the committed count hidden until committed; invalid rows drop out")
+
+
+def replaced(out, scratch, rng):
+    """A rebuild replaces the files: a stale pickled snapshot says so, refresh() starts over."""
+    d = os.path.join(scratch, "replaced")
+    os.makedirs(d)
+    path = os.path.join(d, SPLIT_FILES["training"])
+    shutil.copy(os.path.join(out, SPLIT_FILES["training"]), path)
+    shutil.copytree(os.path.join(out, "npy"), os.path.join(d, "npy"))
+    for source in ("hdf5", "npy"):
+        ds = LiveDataset(d, "training", source)
+        blob = pickle.dumps(ds)
+        if source == "hdf5":
+            shutil.copy(path, path + ".new")
+            os.replace(path + ".new", path)
+        else:
+            p = os.path.join(d, "npy", "training")
+            shutil.copytree(p, p + ".new")
+            shutil.rmtree(p)
+            os.replace(p + ".new", p)
+        stale = pickle.loads(blob)
+        try:
+            stale[0]
+        except OutputsReplaced as e:
+            print(f"{source}: stale snapshot refused: {e}")
+        else:
+            fail(f"{source}: a snapshot of replaced files still served rows")
+        if ds.refresh() != len(ds) or len(ds) == 0:
+            fail(f"{source}: refresh() after a replacement did not start over")
+        check_dataset(ds, h5_truth(d, "training"), f"{source} after replacement", rng, full=False)
+
+
+def main():
+    out, scratch = sys.argv[1], sys.argv[2]
+    rng = np.random.default_rng(7)
+    all_splits(out, rng)
+    workers(out, rng)
+    mid_commit_hdf5(out, scratch, rng)
+    mid_commit_npy(out, scratch, rng)
+    replaced(out, scratch, rng)
+    for bad, kw in (("nowhere", {}), (out, {"split": "train"}), (out, {"source": "zarr"})):
+        try:
+            LiveDataset(bad, **kw)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"refused: {e}")
+        else:
+            fail(f"LiveDataset({bad!r}, {kw}) did not refuse")
+    print("reader_values: OK")
+
+
+if __name__ == "__main__":
+    main()
