@@ -9,8 +9,8 @@ use crate::engine::{Engine, Input};
 use crate::features;
 use crate::identity::LabelSet;
 use crate::lock::WriterLocks;
-use crate::source::{self, Found};
 use crate::shard::Shard;
+use crate::source::{self, Found};
 use crate::staging;
 use std::time::{Duration, Instant};
 

@@ -330,7 +330,9 @@ impl Engine {
         });
         let t = Instant::now();
         let mut plan = self.ledger.decide(&*self.manifest, observations)?;
-        plan.other_shards = self.other_shards.swap(0, std::sync::atomic::Ordering::Relaxed);
+        plan.other_shards = self
+            .other_shards
+            .swap(0, std::sync::atomic::Ordering::Relaxed);
         StageTimes::add(&self.times.decide, t);
         let tx = self
             .to_featurise
