@@ -804,8 +804,11 @@ pub(crate) mod tests {
         use super::*;
         use proptest::prelude::*;
 
-        /// A step of the tree's history: (path index, content index or None = delete).
-        fn history() -> impl Strategy<Value = (Vec<(usize, Option<u8>)>, Vec<usize>, SplitMode)> {
+        /// Steps of the tree's history (path index, content index or None = delete), batch
+        /// sizes, and the split mode.
+        type History = (Vec<(usize, Option<u8>)>, Vec<usize>, SplitMode);
+
+        fn history() -> impl Strategy<Value = History> {
             (
                 proptest::collection::vec((0usize..12, proptest::option::of(0u8..6)), 1..60),
                 proptest::collection::vec(1usize..8, 1..20),
