@@ -393,10 +393,7 @@ fn worker_loop(
                     Ok(w) => w,
                     Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
                         if engine.in_flight() > 0 {
-                            if let Some(done) = engine.wait_one(Duration::from_millis(50))? {
-                                on_done(done, &mut recent, &mut ingested);
-                                dirty = true;
-                            }
+                            // Never block on the engine here: new files must be taken at once.
                             continue;
                         }
                         // Idle: a good moment for the status snapshot.
