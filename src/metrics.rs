@@ -369,6 +369,14 @@ impl Drop for Exporter {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        // tiny_http's Server connects to itself when dropped, to wake its accept thread; if
+        // the unit's IP filter changed underneath (a drop-in removed, then daemon-reload), that
+        // connect hangs until the TCP timeout. Never let it hold up the stop: close it aside.
+        if let Some(server) = self.server.take() {
+            let _ = std::thread::Builder::new()
+                .name("ailhd-metrics-close".into())
+                .spawn(move || drop(server));
+        }
         if let Some(p) = &self.textfile {
             ::metrics::gauge!("ailhd_up").set(0.0);
             if let Err(e) = write_atomically(p, &render()) {
@@ -512,8 +520,12 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, vec![std::ffi::OsString::from("ailhd.prom")]);
-        // The port is closed again.
-        assert!(std::net::TcpStream::connect(addr).is_err());
+        // The port is closed again (by a thread of its own, a moment later).
+        let t = std::time::Instant::now();
+        while std::net::TcpStream::connect(addr).is_ok() {
+            assert!(t.elapsed() < Duration::from_secs(10), "port still open");
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     #[test]

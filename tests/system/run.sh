@@ -239,6 +239,9 @@ check "GET /metrics answers 200" grep -q '^HTTP/1.[01] 200' "$OUT/metrics-http.t
 check "GET /metrics serves the families" grep -q '^ailhd_files{state="committed"} 20' "$OUT/metrics-http.txt"
 sed -i '/^listen = /d' "$ROOT/etc/ailhd/ailhd.toml"
 C sh -c 'rm -rf /etc/systemd/system/ailhd.service.d && systemctl daemon-reload && systemctl restart ailhd'
+# The stop above runs under the base unit's IP filter again: the endpoint must not hold it up.
+no_stop_timeout() { ! J | grep -q "State 'stop-sigterm' timed out"; }
+check "stop with the endpoint open did not time out" no_stop_timeout
 
 step "clean stop"
 C systemctl stop ailhd
