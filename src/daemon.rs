@@ -121,6 +121,8 @@ pub async fn serve(
     let watchdog = sd_notify::watchdog_enabled();
     let mut ingested: u64 = 0;
     let mut pending_listed = Instant::now();
+    let mut gone: Vec<Observation> = Vec::new();
+    let mut gone_due: Option<Instant> = None;
     log::info!(
         "watching {} on {device}; outputs in {}",
         root.display(),
@@ -180,7 +182,10 @@ pub async fn serve(
                     WatchEvent::Removed(path) => {
                         settler.forget(&path);
                         strong_at.remove(&path);
-                        send(Work::Op(Input::Observe(Observation::Gone(lossy(&path)))));
+                        // Often half of a move: held a moment, so that it reaches the engine in
+                        // the same batch as the arrival (the row is handed over, never invalid).
+                        gone.push(Observation::Gone(lossy(&path)));
+                        gone_due.get_or_insert(now + GONE_HOLD);
                     }
                     WatchEvent::RemovedDir(path) => {
                         send(Work::Op(Input::Observe(Observation::FolderGone(lossy(&path)))));
@@ -190,6 +195,12 @@ pub async fn serve(
                         send(Work::Rescan);
                     }
                 }
+            }
+            _ = sleep_until(gone_due) => {
+                for o in gone.drain(..) {
+                    send(Work::Op(Input::Observe(o)));
+                }
+                gone_due = None;
             }
             _ = sleep_until(settle_at) => {
                 let now = Instant::now();
@@ -208,6 +219,11 @@ pub async fn serve(
                             if let Some(rel) = rel_str(&path) {
                                 send(Work::Op(Input::Load { rel, seen: Some(seen) }));
                             }
+                            // The other half of a move, if one is held.
+                            for o in gone.drain(..) {
+                                send(Work::Op(Input::Observe(o)));
+                            }
+                            gone_due = None;
                         }
                         Settled::Quarantine { path, after_s, detail } => {
                             strong_at.remove(&path);
@@ -277,6 +293,9 @@ pub async fn serve(
         ))]);
     }
 
+    for o in gone.drain(..) {
+        send(Work::Op(Input::Observe(o)));
+    }
     let _ = sd_notify::notify(&[NotifyState::Stopping]);
     watcher.stop();
     drop(work_tx);
@@ -287,6 +306,9 @@ pub async fn serve(
         Err(_) => anyhow::bail!("the ingest worker panicked"),
     }
 }
+
+/// How long a removal waits for the arrival that would make it a move.
+const GONE_HOLD: Duration = Duration::from_millis(50);
 
 fn rescan_deadline(settings: &Settings) -> Option<Instant> {
     (settings.ingest.rescan_interval_s > 0)
@@ -414,12 +436,19 @@ fn worker_loop(
                 let started = Instant::now();
                 let deadline =
                     started + Duration::from_millis(settings.ingest.max_batch_latency_ms);
+                // A removal is often half of a move whose other half (the file arriving
+                // elsewhere) is a moment behind it: wait for it, so the row is handed over in one
+                // batch and never shows as invalid in between.
+                let removal = matches!(
+                    op,
+                    Input::Observe(Observation::Gone(_) | Observation::FolderGone(_))
+                );
                 let mut ops = vec![op];
                 while ops.len() < settings.ingest.max_batch_files {
                     let next = match rx.try_recv() {
                         Ok(w) => Some(w),
                         Err(_)
-                            if shared.settling.load(Ordering::Relaxed) > 0
+                            if (removal || shared.settling.load(Ordering::Relaxed) > 0)
                                 && Instant::now() < deadline =>
                         {
                             rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
