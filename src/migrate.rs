@@ -121,8 +121,9 @@ pub fn upgrade_manifest(m: &Manifest, from: u32) -> Result<(), ManifestError> {
     content.apply_batch(new_content).map_err(|e| m.err(e))?;
     for (split, n) in rows.iter().enumerate() {
         let key = format!("rows_{split}");
-        if meta.get(&key).map_err(|e| m.err(e))?.is_none() {
-            meta.insert(key, n.to_string().as_bytes())
+        if content.get(&key).map_err(|e| m.err(e))?.is_none() {
+            content
+                .insert(key, n.to_string().as_bytes())
                 .map_err(|e| m.err(e))?;
         }
     }

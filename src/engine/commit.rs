@@ -123,7 +123,7 @@ impl Committer {
             }
         }
         for (split, n) in plan.rows.iter().enumerate() {
-            b.put_meta(&format!("rows_{split}"), &n.to_string());
+            b.put_rows(split, *n);
         }
         if let Some(labels) = &plan.labels {
             let appended = &labels[self.configured_labels.min(labels.len())..];

@@ -143,6 +143,15 @@ impl ManifestBatch {
         self.content.remove(&hash[..]);
         self.len += 1;
     }
+    /// Rows of `split` once this batch is applied. Kept in the content tree (short keys never
+    /// clash with 32-byte hashes) so it lands atomically with the content records.
+    pub fn put_rows(&mut self, split: usize, rows: u64) {
+        self.content.insert(
+            format!("rows_{split}").as_bytes(),
+            rows.to_string().as_bytes(),
+        );
+        self.len += 1;
+    }
     pub fn put_meta(&mut self, key: &str, value: &str) {
         self.meta.insert(key.as_bytes(), value.as_bytes());
         self.len += 1;
@@ -277,10 +286,16 @@ impl Manifest {
     pub fn rows(&self) -> Result<[u64; 3], ManifestError> {
         let mut rows = [0u64; 3];
         for (split, n) in rows.iter_mut().enumerate() {
-            if let Some(v) = self.get_meta(&format!("rows_{split}"))? {
+            let key = format!("rows_{split}");
+            let v = self
+                .content
+                .get(key.as_bytes())
+                .map_err(|e| self.err(e))?
+                .map(|v| String::from_utf8_lossy(&v).to_string());
+            if let Some(v) = v {
                 *n = v
                     .parse()
-                    .map_err(|_| self.corrupt(format!("meta/rows_{split}"), v))?;
+                    .map_err(|_| self.corrupt(format!("content/rows_{split}"), v))?;
             }
         }
         Ok(rows)
@@ -331,14 +346,21 @@ impl Manifest {
     pub fn contents(
         &self,
     ) -> impl Iterator<Item = Result<(Hash, ContentRecord), ManifestError>> + '_ {
-        self.content.iter().map(move |kv| {
-            let (k, v) = kv.map_err(|e| self.err(e))?;
-            let mut hash = [0u8; 32];
-            if k.len() == 32 {
-                hash.copy_from_slice(&k);
+        self.content.iter().filter_map(move |kv| {
+            let (k, v) = match kv {
+                Ok(kv) => kv,
+                Err(e) => return Some(Err(self.err(e))),
+            };
+            if k.len() != 32 {
+                return None; // the row counts
             }
-            let rec = decode(&v).map_err(|m| self.corrupt(crate::identity::hex(&hash), m))?;
-            Ok((hash, rec))
+            let mut hash = [0u8; 32];
+            hash.copy_from_slice(&k);
+            Some(
+                decode(&v)
+                    .map(|rec| (hash, rec))
+                    .map_err(|m| self.corrupt(crate::identity::hex(&hash), m)),
+            )
         })
     }
 
@@ -390,7 +412,7 @@ mod tests {
                     paths: vec!["LEAK/a.wav".into()],
                 },
             );
-            b.put_meta("rows_0", "4");
+            b.put_rows(0, 4);
             m.apply(b).unwrap();
             m.flush().unwrap();
         }
