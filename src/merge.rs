@@ -22,6 +22,7 @@
 //! `--npy` also writes `npy/<split>/` as copies of the merged rows (the only copies merge makes).
 
 use crate::config::{FeatureSettings, HdfNames, SPLITS};
+use crate::output::hdf5::read_text_attr;
 use crate::output::npy::NpySink;
 use crate::output::{label2id_json, labels_json, OutputHeader, RowMeta, SplitSink};
 use crate::output::{ID_BYTES, OUTPUT_SCHEMA_VERSION};
@@ -31,7 +32,6 @@ use hdf5::file::{FileAccess, LibraryVersion, OpenMode};
 use hdf5::plist::DatasetCreate;
 use hdf5::types::{TypeDescriptor, VarLenUnicode};
 use hdf5::{Dataset, File, Hyperslab, Selection, SliceOrIndex};
-use hdf5_sys::h5a::H5Aread;
 use hdf5_sys::h5d::{H5Dget_space, H5Dget_type, H5Dread};
 use hdf5_sys::h5i::hid_t;
 use hdf5_sys::h5p::H5P_DEFAULT;
@@ -899,31 +899,6 @@ impl Drop for Id {
         unsafe {
             (self.1)(self.0);
         }
-    }
-}
-
-/// Read a string attribute, variable- or fixed-length (NUL padding removed).
-fn read_text_attr(file: &File, name: &str) -> Result<String> {
-    let attr = file
-        .attr(name)
-        .map_err(|e| anyhow::anyhow!("no attribute {name} ({e})"))?;
-    let dtype = attr.dtype()?;
-    match dtype.to_descriptor()? {
-        TypeDescriptor::VarLenUnicode => Ok(attr.read_scalar::<VarLenUnicode>()?.as_str().into()),
-        TypeDescriptor::FixedUnicode(n) | TypeDescriptor::FixedAscii(n) => {
-            let mut buf = vec![0u8; n];
-            hdf5::sync::sync(|| unsafe {
-                hdf5::h5check(H5Aread(
-                    attr.id(),
-                    dtype.id(),
-                    buf.as_mut_ptr() as *mut c_void,
-                ))
-            })?;
-            let end = buf.iter().position(|&b| b == 0).unwrap_or(n);
-            buf.truncate(end);
-            String::from_utf8(buf).with_context(|| format!("attribute {name} is not UTF-8"))
-        }
-        other => bail!("attribute {name} is {other:?}, not a string"),
     }
 }
 

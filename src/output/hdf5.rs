@@ -711,9 +711,12 @@ fn open_rw(path: &Path, clear_flags: bool) -> Result<File> {
 /// The attributes rewritten by [`Hdf5Sink::set_labels`] (fixed-length, see the module notes).
 const LABEL_ATTRS: [&str; 2] = ["labels_json", "label2id_json"];
 
-/// Read a string attribute, variable- or fixed-length (NUL padding removed).
-fn read_text_attr(file: &File, name: &str) -> Result<String> {
-    let attr = file.attr(name)?;
+/// Read a string attribute, variable- or fixed-length (NUL padding removed). Also used by
+/// `merge` to read its inputs' attributes.
+pub fn read_text_attr(file: &File, name: &str) -> Result<String> {
+    let attr = file
+        .attr(name)
+        .map_err(|e| anyhow::anyhow!("no attribute {name} ({e})"))?;
     let dtype = attr.dtype()?;
     match dtype.to_descriptor()? {
         TypeDescriptor::VarLenUnicode => Ok(attr.read_scalar::<VarLenUnicode>()?.as_str().into()),
