@@ -12,7 +12,7 @@
 //! SWMR-write and another in SWMR-read mode, not one process both.
 
 use crate::config::{DeviceChoice, Settings, SPLITS};
-use crate::plot::columns::SwmrSplit;
+use crate::output::read::SwmrSplit;
 use crate::rebuild::{self, Ui};
 use crate::synth;
 use anyhow::{bail, Context};

@@ -250,6 +250,6 @@ pub fn write_png(
     report: &StatusReport,
     out: &std::path::Path,
 ) -> anyhow::Result<()> {
-    let cols = crate::plot::columns::read(settings)?;
+    let cols = crate::output::read::read(settings)?;
     crate::plot::dataset::write(out, &settings.paths.output, report, &cols)
 }

@@ -3,76 +3,15 @@
 //! the tree while stopped, restart; and SIGKILL at random instants during a stream.
 
 mod common;
+use common::service::Service;
 use common::*;
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::path::Path;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 const FAST: &str = "[ingest]\nsettle_ms = 100\nquarantine_after_s = 2\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n";
-
-struct Service {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Service {
-    fn start(world: &World) -> Service {
-        // A snapshot left by an earlier (killed) run must not pass for this one's.
-        let _ = std::fs::remove_file(world.state().join("status.json"));
-        let n = std::fs::read_dir(world.dir.path()).unwrap().count();
-        let log = world.dir.path().join(format!("run-{n}.log"));
-        let child = world
-            .cmd(&["--verbose", "run"])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let s = Service { child, log };
-        // Up once it has written its first status snapshot (after the start-up rescan).
-        s.wait(world, "service up", |st| st["service"].is_object());
-        s
-    }
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-    fn wait(
-        &self,
-        world: &World,
-        what: &str,
-        mut f: impl FnMut(&serde_json::Value) -> bool,
-    ) -> serde_json::Value {
-        let t = Instant::now();
-        loop {
-            let snap = std::fs::read_to_string(world.state().join("status.json"))
-                .ok()
-                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
-            if let Some(s) = snap {
-                if f(&s) {
-                    return s;
-                }
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "timed out waiting for {what}; log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-    fn terminate(mut self) -> String {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let status = self.child.wait().unwrap();
-        let log = self.log();
-        assert!(status.success(), "run exited with {status:?}; log:\n{log}");
-        log
-    }
-    fn kill9(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn committed(s: &serde_json::Value) -> u64 {
     s["files"]["committed"].as_u64().unwrap_or(0)
@@ -197,7 +136,7 @@ fn ingests_every_kind_of_arrival_and_survives_a_restart() {
     .unwrap();
     // a duplicate of cp.wav under another label
     std::fs::copy(rec.join("LEAK/cp.wav"), rec.join("NORMAL/dup.wav")).unwrap();
-    let s = svc.wait(&world, "5 files committed", |s| committed(s) == 5);
+    let s = svc.wait("5 files committed", |s| committed(s) == 5);
     let rows: u64 = ["training", "validation", "testing"]
         .iter()
         .map(|k| s["splits"][k]["rows"].as_u64().unwrap())
@@ -207,7 +146,7 @@ fn ingests_every_kind_of_arrival_and_survives_a_restart() {
     // move between labels: same row, label updated
     std::fs::create_dir_all(rec.join("CRACK")).unwrap();
     std::fs::rename(rec.join("LEAK/renamed.wav"), rec.join("CRACK/renamed.wav")).unwrap();
-    svc.wait(&world, "move relabelled", |s| {
+    svc.wait("move relabelled", |s| {
         s["splits"]
             .as_object()
             .unwrap()
@@ -237,7 +176,7 @@ fn ingests_every_kind_of_arrival_and_survives_a_restart() {
         )
         .unwrap();
     }
-    let s = svc.wait(&world, "invalid files quarantined", |s| {
+    let s = svc.wait("invalid files quarantined", |s| {
         quarantined(s).len() == invalid.len()
     });
     let q = quarantined(&s);
@@ -257,7 +196,7 @@ fn ingests_every_kind_of_arrival_and_survives_a_restart() {
             .contains("in progress"),
         "{q:?}"
     );
-    svc.wait(&world, "overwrite and delete applied", |s| {
+    svc.wait("overwrite and delete applied", |s| {
         let valid: u64 = ["training", "validation", "testing"]
             .iter()
             .map(|k| s["splits"][k]["valid"].as_u64().unwrap())
@@ -289,7 +228,7 @@ fn ingests_every_kind_of_arrival_and_survives_a_restart() {
     std::fs::remove_file(rec.join("NORMAL/dup.wav")).unwrap();
     std::fs::write(rec.join("LEAK/cp.wav"), fixture_bytes("leak_float32")).unwrap();
     let svc = Service::start(&world);
-    svc.wait(&world, "reconciled", |s| {
+    svc.wait("reconciled", |s| {
         let valid: u64 = ["training", "validation", "testing"]
             .iter()
             .map(|k| s["splits"][k]["valid"].as_u64().unwrap())
@@ -353,9 +292,7 @@ fn sigkill_at_random_instants_loses_and_duplicates_nothing() {
     }
     writer.join().unwrap();
     let svc = Service::start(&world);
-    svc.wait(&world, "all files committed", |s| {
-        committed(s) == total as u64
-    });
+    svc.wait("all files committed", |s| committed(s) == total as u64);
     svc.terminate();
     compare_with_rebuild(&world);
 }
@@ -379,29 +316,24 @@ fn shared_bytes_moves_links_and_unusable_files_follow_one_set_of_rules() {
         write_via_rename(&rec, rel, &fixture_bytes(fixture));
     }
     let svc = Service::start(&world);
-    svc.wait(&world, "3 files", |s| committed(s) == 3);
+    svc.wait("3 files", |s| committed(s) == 3);
     let conflicts = |s: &serde_json::Value| s["label_conflicts"].as_array().map_or(0, |a| a.len());
 
     // A copy under a smaller path (LEAK/ < NORMAL/) takes the row over; it is a label conflict.
     std::fs::copy(rec.join("NORMAL/x.wav"), rec.join("LEAK/copy.wav")).unwrap();
-    svc.wait(&world, "the copy", |s| {
-        committed(s) == 4 && conflicts(s) == 1
-    });
+    svc.wait("the copy", |s| committed(s) == 4 && conflicts(s) == 1);
     compare_with_rebuild(&world);
     // The copy goes: the row is handed back to NORMAL/x.wav.
     std::fs::remove_file(rec.join("LEAK/copy.wav")).unwrap();
-    svc.wait(&world, "the copy gone", |s| {
-        committed(s) == 3 && conflicts(s) == 0
-    });
+    svc.wait("the copy gone", |s| committed(s) == 3 && conflicts(s) == 0);
     compare_with_rebuild(&world);
 
     // A label folder moved into another label.
-    let before = svc.wait(&world, "idle", |s| s["service"]["queue_depth"] == 0)["service"]
-        ["ingested"]
+    let before = svc.wait("idle", |s| s["service"]["queue_depth"] == 0)["service"]["ingested"]
         .as_u64()
         .unwrap();
     std::fs::rename(rec.join("LEAK"), rec.join("NORMAL/LEAK_old")).unwrap();
-    svc.wait(&world, "the moved folder", |s| {
+    svc.wait("the moved folder", |s| {
         s["service"]["ingested"].as_u64().unwrap() >= before + 2
             && s["service"]["queue_depth"] == 0
             && committed(s) == 3
@@ -423,7 +355,7 @@ fn shared_bytes_moves_links_and_unusable_files_follow_one_set_of_rules() {
     std::fs::write(rec.join("LEAK/alaw.wav"), fixture_bytes("alaw")).unwrap();
     std::fs::write(rec.join("LEAK/empty.wav"), b"").unwrap();
     let t = Instant::now();
-    let snap = svc.wait(&world, "six quarantined", |s| quarantined(s).len() == 6);
+    let snap = svc.wait("six quarantined", |s| quarantined(s).len() == 6);
     let waited = t.elapsed();
     let q = quarantined(&snap);
     for link in ["LEAK/link_out.wav", "LEAK/link_in.wav"] {
@@ -444,4 +376,197 @@ fn shared_bytes_moves_links_and_unusable_files_follow_one_set_of_rules() {
     assert_eq!(committed(&snap), 3, "links add no rows");
     compare_with_rebuild(&world);
     svc.terminate();
+}
+
+/// Every row of the outputs, read plainly (the service stopped): per split, (blake3 hex,
+/// source_path, label, valid).
+fn all_rows(world: &World) -> Vec<Vec<(String, String, i64, i64)>> {
+    let script = r#"
+import json, os, sys
+import h5py
+out = sys.argv[1]
+res = []
+for n in ["TRAINING_DATASET.H5", "VALIDATION_DATASET.H5", "TESTING_DATASET.H5"]:
+    with h5py.File(os.path.join(out, n), "r") as f:
+        c = int(f["committed_rows"][0])
+        res.append([[bytes(f["blake3"][i]).hex(), f["source_path"][i].decode(), int(f["labels"][i]), int(f["valid"][i])] for i in range(c)])
+print(json.dumps(res))
+"#;
+    let o = std::process::Command::new("python3")
+        .args(["-c", script, world.out().to_str().unwrap()])
+        .output()
+        .unwrap();
+    serde_json::from_slice(&ok(&o).into_bytes()).unwrap()
+}
+
+#[test]
+fn a_lost_state_is_rebuilt_from_the_outputs_and_no_row_moves() {
+    let world = World::new(FAST);
+    let rec = world.rec();
+    let clip = |label: &str, i: u64| {
+        ailhd::synth::wav_pcm16(&ailhd::synth::clip(label, 500 + i, 4096, 10.0), 4096)
+    };
+    for i in 0..8u64 {
+        let label = ["LEAK", "NORMAL"][i as usize % 2];
+        let rel = format!("{label}/{}", ailhd::synth::file_name(i as usize, 1));
+        write_via_rename(&rec, &rel, &clip(label, i));
+    }
+    let names: Vec<String> = (0..8)
+        .map(|i| {
+            format!(
+                "{}/{}",
+                ["LEAK", "NORMAL"][i % 2],
+                ailhd::synth::file_name(i, 1)
+            )
+        })
+        .collect();
+    // The same bytes under a second, larger path (it owns nothing), and a file that is no WAV.
+    write_via_rename(&rec, "NORMAL/zz_copy.wav", &clip("LEAK", 0));
+    write_via_rename(&rec, "LEAK/broken.wav", b"not a wav at all");
+    let svc = Service::start(&world);
+    svc.wait("9 files committed", |s| {
+        committed(s) == 9 && quarantined(s).len() == 1
+    });
+    // New bytes at a known path (its old row becomes invalid) and a deleted file.
+    write_via_rename(&rec, &names[1], &clip("NORMAL", 99));
+    let deleted = std::fs::read(rec.join(&names[2])).unwrap();
+    std::fs::remove_file(rec.join(&names[2])).unwrap();
+    svc.wait("supersede and delete", |s| {
+        let valid: u64 = ["training", "validation", "testing"]
+            .iter()
+            .map(|k| s["splits"][k]["valid"].as_u64().unwrap())
+            .sum();
+        committed(s) == 8 && valid == 7
+    });
+    svc.terminate();
+    let before = all_rows(&world);
+    assert_eq!(before.iter().map(Vec::len).sum::<usize>(), 9, "{before:?}");
+
+    // A trainer keeps reading by row number while the state folder is lost and the service
+    // starts again.
+    let stop = world.dir.path().join("stop-reader");
+    let reader = std::process::Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/rows_keep.py"))
+        .arg(world.out())
+        .arg(&stop)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    std::fs::remove_dir_all(world.state()).unwrap();
+    let svc = Service::start(&world);
+    let snap = svc.wait("the tree checked against the recovered manifest", |s| {
+        committed(s) == 8 && quarantined(s).len() == 1 && s["service"]["queue_depth"] == 0
+    });
+    let log = svc.log();
+    assert!(
+        log.contains("was missing: rebuilt it from the HDF5 files") && log.contains("9 rows"),
+        "{log}"
+    );
+    assert!(quarantined(&snap).contains_key("LEAK/broken.wav"), "{snap}");
+    let rows: u64 = ["training", "validation", "testing"]
+        .iter()
+        .map(|k| snap["splits"][k]["rows"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        rows, 9,
+        "no row added: nothing was featurised again\n{snap}"
+    );
+
+    // The recovered manifest works as the lost one did: a deleted file's bytes coming back
+    // revive its row, new bytes get a new row at the end, the copy still shares its row.
+    write_via_rename(&rec, &names[2], &deleted);
+    write_via_rename(&rec, "CRACK/new.wav", &clip("CRACK", 7));
+    std::fs::remove_file(rec.join(&names[0])).unwrap();
+    svc.wait("revived, new, handed over", |s| {
+        let valid: u64 = ["training", "validation", "testing"]
+            .iter()
+            .map(|k| s["splits"][k]["valid"].as_u64().unwrap())
+            .sum();
+        committed(s) == 9 && valid == 9
+    });
+    std::fs::write(&stop, b"").unwrap();
+    let out = reader.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the reader saw rows move or vanish:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    svc.terminate();
+
+    let after = all_rows(&world);
+    for (split, (b, a)) in before.iter().zip(&after).enumerate() {
+        assert!(a.len() >= b.len(), "split {split}: {a:?}");
+        for (i, (rb, ra)) in b.iter().zip(a).enumerate() {
+            assert_eq!(rb.0, ra.0, "split {split} row {i} holds other bytes");
+        }
+    }
+    assert_eq!(after.iter().map(Vec::len).sum::<usize>(), 10, "{after:?}");
+    // The deleted file's row is valid again, in place; the copy took over the first file's row.
+    let row_of = |path: &str| {
+        after
+            .iter()
+            .flatten()
+            .find(|r| r.1 == path && r.3 == 1)
+            .cloned()
+    };
+    assert!(row_of(&names[2]).is_some(), "{after:?}");
+    assert!(row_of("NORMAL/zz_copy.wav").is_some(), "{after:?}");
+    compare_with_rebuild(&world);
+}
+
+#[test]
+fn an_unreadable_manifest_is_set_aside_and_rebuilt_from_the_outputs() {
+    let world = World::new(FAST);
+    for i in 0..4usize {
+        let label = ["LEAK", "NORMAL"][i % 2];
+        let bytes =
+            ailhd::synth::wav_pcm16(&ailhd::synth::clip(label, 700 + i as u64, 4096, 10.0), 4096);
+        write_via_rename(
+            &world.rec(),
+            &format!("{label}/{}", ailhd::synth::file_name(i, 2)),
+            &bytes,
+        );
+    }
+    let svc = Service::start(&world);
+    svc.wait("4 files committed", |s| committed(s) == 4);
+    svc.terminate();
+    let before = all_rows(&world);
+    // Damage every file of the sled database.
+    for entry in walk(&world.state().join("manifest")) {
+        let len = std::fs::metadata(&entry).unwrap().len() as usize;
+        std::fs::write(&entry, vec![0xA5u8; len.max(64)]).unwrap();
+    }
+    let svc = Service::start(&world);
+    svc.wait("the tree checked", |s| {
+        committed(s) == 4 && s["service"]["queue_depth"] == 0
+    });
+    let log = svc.terminate();
+    assert!(log.contains("moved it aside"), "{log}");
+    assert!(log.contains("rebuilt it from the HDF5 files"), "{log}");
+    let aside = std::fs::read_dir(world.state())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .any(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("manifest.unreadable-")
+        });
+    assert!(aside, "the damaged manifest is kept for inspection");
+    assert_eq!(all_rows(&world), before);
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
 }

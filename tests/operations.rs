@@ -4,6 +4,7 @@
 //! textfile the running service keeps.
 
 mod common;
+use common::service::Service;
 use common::*;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -182,48 +183,6 @@ fn a_killed_rebuild_leaves_no_staging_behind_after_check_config_or_run() {
     assert!(text.contains("left by an interrupted rebuild"), "{text}");
 }
 
-struct Service {
-    child: std::process::Child,
-    log: std::path::PathBuf,
-}
-
-impl Service {
-    fn start(world: &World) -> Service {
-        let log = world.dir.path().join("service.log");
-        let child = world
-            .cmd(&["--verbose", "run"])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let s = Service { child, log };
-        s.wait_for("the first status snapshot", || {
-            world.state().join("status.json").exists()
-        });
-        s
-    }
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-    fn wait_for(&self, what: &str, mut f: impl FnMut() -> bool) {
-        let t = Instant::now();
-        while !f() {
-            assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "timed out waiting for {what}; log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-    fn stop(mut self) -> String {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let st = self.child.wait().unwrap();
-        assert!(st.success(), "{st}: {}", self.log());
-        self.log()
-    }
-}
-
 #[test]
 fn reload_reports_accepted_and_refused_configurations_through_its_exit_status() {
     let world = World::new(FAST);
@@ -232,7 +191,7 @@ fn reload_reports_accepted_and_refused_configurations_through_its_exit_status() 
     assert!(stderr(&o).contains("nothing to reload"), "{}", stderr(&o));
 
     let svc = Service::start(&world);
-    let pid = svc.child.id().to_string();
+    let pid = svc.pid().to_string();
     let o = ok(&world.run(&["reload", "--pid", &pid]));
     assert!(o.contains("configuration reloaded"), "{o}");
     // A pid that is not the holder (systemd's $MAINPID after paths.state changed).
@@ -273,7 +232,7 @@ fn reload_reports_accepted_and_refused_configurations_through_its_exit_status() 
     // Still running, and a good configuration is accepted again.
     std::fs::write(&world.config, &good).unwrap();
     ok(&world.run(&["reload", "--pid", &pid]));
-    let log = svc.stop();
+    let log = svc.terminate();
     assert!(log.contains("reload refused"), "{log}");
 }
 
@@ -323,6 +282,6 @@ fn the_service_keeps_a_prometheus_textfile() {
         .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
         .sum();
     assert_eq!(rows, 6.0, "{text}");
-    svc.stop();
+    svc.terminate();
     assert!(has(&["ailhd_up 0", "ailhd_files_ingested_total 6"]));
 }

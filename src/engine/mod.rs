@@ -17,6 +17,7 @@ pub mod commit;
 pub mod ledger;
 pub mod manifest;
 pub mod outcome;
+pub mod recover;
 pub mod stages;
 
 use crate::config::{DeviceChoice, FeatureShape, Settings, SPLITS};
@@ -87,7 +88,28 @@ impl Engine {
     /// stop or a crash alike (the caller holds the writer lock).
     pub fn open_live(settings: &Settings, device: DeviceChoice) -> anyhow::Result<Engine> {
         crate::staging::finish_pending(settings)?;
-        let manifest = Manifest::open(&crate::staging::manifest_dir(settings))?;
+        let out_dir = &settings.paths.output;
+        let manifest = open_or_set_aside(&crate::staging::manifest_dir(settings))?;
+        if OutputSet::exists(out_dir, &settings.outputs) && recover::is_blank(&manifest)? {
+            if let Some(r) = recover::from_outputs(settings, &manifest)? {
+                log::warn!(
+                    "the manifest in {} was missing: rebuilt it from the {} under {} ({} rows: {} training, {} validation, {} testing; {} valid{}); no feature recomputed, no row moved. Checking the tree against it",
+                    settings.paths.state.display(),
+                    r.source,
+                    out_dir.display(),
+                    r.rows.iter().sum::<u64>(),
+                    r.rows[0],
+                    r.rows[1],
+                    r.rows[2],
+                    r.valid,
+                    if r.conflicting > 0 {
+                        format!(", {} left unrecorded (see above)", r.conflicting)
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+        }
         let fingerprint = settings.features.fingerprint();
         let known_rows = manifest.rows()?;
         let has_records = manifest.files().next().is_some() || known_rows.iter().any(|&r| r > 0);
@@ -115,7 +137,6 @@ impl Engine {
             features: settings.features.clone(),
             path_bytes: settings.outputs.path_bytes,
         };
-        let out_dir = &settings.paths.output;
         let mut outputs = if OutputSet::exists(out_dir, &settings.outputs) {
             OutputSet::open_append(out_dir, &settings.outputs, &header, true, Some(known_rows))?
         } else if has_records {
@@ -426,6 +447,42 @@ impl Drop for Engine {
                 }
             }
         }
+    }
+}
+
+/// Open the manifest in `dir`; when it cannot be read (damaged, unknown layout), move it aside
+/// (`manifest.unreadable-<unix seconds>`, kept for inspection) and start a blank one, which
+/// [`recover::from_outputs`] then fills. A manifest of a newer ailhd is refused, never set aside.
+fn open_or_set_aside(dir: &Path) -> anyhow::Result<Manifest> {
+    use manifest::ManifestError;
+    match Manifest::open(dir) {
+        Ok(m) => Ok(m),
+        Err(
+            e @ (ManifestError::Unknown { .. }
+            | ManifestError::Corrupt { .. }
+            | ManifestError::Db {
+                source:
+                    sled::Error::Corruption { .. }
+                    | sled::Error::Unsupported(_)
+                    | sled::Error::ReportableBug(_),
+                ..
+            }),
+        ) => {
+            let secs = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0);
+            let aside = dir.with_file_name(format!("manifest.unreadable-{secs}"));
+            std::fs::rename(dir, &aside).with_context(|| {
+                format!("{e}; and it cannot be moved aside to {}", aside.display())
+            })?;
+            log::warn!(
+                "{e}: moved it aside to {} and starting a new one",
+                aside.display()
+            );
+            Ok(Manifest::open(dir)?)
+        }
+        Err(e) => Err(e.into()),
     }
 }
 

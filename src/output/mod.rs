@@ -4,6 +4,7 @@
 
 pub mod hdf5;
 pub mod npy;
+pub mod read;
 pub mod set;
 
 use crate::config::{FeatureSettings, FeatureShape};

@@ -401,7 +401,7 @@ impl Drop for NpySink {
     }
 }
 
-fn descr(t: ColumnType) -> String {
+pub(crate) fn descr(t: ColumnType) -> String {
     match t {
         ColumnType::F16 => "<f2".into(),
         ColumnType::I16 => "<i2".into(),

@@ -10,8 +10,8 @@
 //! Everything but the title comes from the outputs' own columns, read as a trainer reads them
 //! (see [`super::columns`]); the title's file counts come from the status report.
 
-use super::columns::Columns;
 use super::{draw_lines, err, palette, Area, FONT, OUT_OF_WATER};
+use crate::output::read::Columns;
 use crate::status::StatusReport;
 use anyhow::{Context, Result};
 use plotters::prelude::*;

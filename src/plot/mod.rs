@@ -6,9 +6,9 @@
 //!
 //! - [`recording`]: one recording (waveform, spectrogram, the stored mel features);
 //! - [`dataset`]: the outputs as a whole (rows per label and split, arrivals, gain);
-//! - [`columns`]: reading the outputs' per-row columns as a reader does (HDF5 in SWMR mode).
+//!
+//! The per-row columns they show are read as a user's reader does, by [`crate::output::read`].
 
-pub mod columns;
 pub mod dataset;
 pub mod recording;
 

@@ -2,6 +2,8 @@
 //! the shared fixtures, and Python readers (h5py, numpy) as users run them.
 #![allow(dead_code)]
 
+pub mod service;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

@@ -10,11 +10,11 @@
 //! columns (whose header shape is the committed row count) are read instead.
 
 use crate::config::{Settings, SPLITS};
+use crate::output::hdf5::read_text_attr;
 use anyhow::{bail, Context, Result};
 use hdf5::file::FileAccess;
 use hdf5::types::TypeDescriptor;
 use hdf5::{Dataset, File};
-use hdf5_sys::h5a::H5Aread;
 use hdf5_sys::h5d::{H5Dget_space, H5Dread, H5Drefresh};
 use hdf5_sys::h5f::{H5Fopen, H5F_ACC_RDONLY, H5F_ACC_SWMR_READ};
 use hdf5_sys::h5p::H5P_DEFAULT;
@@ -200,24 +200,35 @@ impl SwmrSplit {
 
     /// Rows `range` of a fixed-length string column (`recording_id`, `source_path`...).
     pub fn read_strings(&self, name: &str, range: std::ops::Range<u64>) -> Result<Vec<String>> {
-        let ds = self.dataset(name)?;
-        let count = range.end.saturating_sub(range.start);
-        if count == 0 {
-            return Ok(Vec::new());
-        }
-        let dtype = ds.dtype()?;
-        let width = match dtype.to_descriptor()? {
-            TypeDescriptor::FixedUnicode(n) | TypeDescriptor::FixedAscii(n) => n,
+        let (width, bytes) = self.read_bytes(name, range)?;
+        match self.dataset(name)?.dtype()?.to_descriptor()? {
+            TypeDescriptor::FixedUnicode(_) | TypeDescriptor::FixedAscii(_) => {}
             other => bail!(
                 "{}: {name} is {other:?}, not a fixed-length string",
                 self.path.display()
             ),
-        };
-        let mut buf = vec![0u8; width * count as usize];
+        }
+        Ok(bytes.chunks(width.max(1)).map(nul_trimmed).collect())
+    }
+
+    /// Rows `range` of any column of fixed-size elements, as the stored bytes (little-endian
+    /// numbers, NUL-padded strings): the bytes of one row, and all of them in row order.
+    pub fn read_bytes(&self, name: &str, range: std::ops::Range<u64>) -> Result<(usize, Vec<u8>)> {
+        let ds = self.dataset(name)?;
+        let dtype = ds.dtype()?;
+        let shape: Vec<u64> = ds.shape().iter().map(|&d| d as u64).collect();
+        let row_bytes = dtype.size() * shape[1..].iter().product::<u64>() as usize;
+        let count = range.end.saturating_sub(range.start);
+        if count == 0 {
+            return Ok((row_bytes, Vec::new()));
+        }
+        let mut buf = vec![0u8; row_bytes * count as usize];
+        let mut start = vec![0u64; shape.len()];
+        start[0] = range.start;
+        let mut n = shape.clone();
+        n[0] = count;
         hdf5::sync::sync(|| unsafe {
             let fspace = hdf5::h5check(H5Dget_space(ds.id()))?;
-            let start = [range.start];
-            let n = [count];
             let picked = hdf5::h5check(H5Sselect_hyperslab(
                 fspace,
                 H5S_seloper_t::H5S_SELECT_SET,
@@ -226,7 +237,11 @@ impl SwmrSplit {
                 n.as_ptr(),
                 std::ptr::null(),
             ));
-            let mspace = hdf5::h5check(H5Screate_simple(1, n.as_ptr(), std::ptr::null()));
+            let mspace = hdf5::h5check(H5Screate_simple(
+                n.len() as i32,
+                n.as_ptr(),
+                std::ptr::null(),
+            ));
             let read = match (picked, &mspace) {
                 (Ok(_), Ok(m)) => hdf5::h5check(H5Dread(
                     ds.id(),
@@ -247,7 +262,7 @@ impl SwmrSplit {
             read
         })
         .with_context(|| format!("{}: reading {name} rows {range:?}", self.path.display()))?;
-        Ok(buf.chunks(width).map(nul_trimmed).collect())
+        Ok((row_bytes, buf))
     }
 }
 
@@ -261,31 +276,7 @@ fn nul_trimmed(b: &[u8]) -> String {
     String::from_utf8_lossy(&b[..end]).into_owned()
 }
 
-/// A string attribute, variable- or fixed-length (NUL padding removed).
-fn read_text_attr(file: &File, name: &str) -> Result<String> {
-    let attr = file.attr(name)?;
-    let dtype = attr.dtype()?;
-    match dtype.to_descriptor()? {
-        TypeDescriptor::VarLenUnicode => Ok(attr
-            .read_scalar::<hdf5::types::VarLenUnicode>()?
-            .as_str()
-            .into()),
-        TypeDescriptor::FixedUnicode(n) | TypeDescriptor::FixedAscii(n) => {
-            let mut buf = vec![0u8; n];
-            hdf5::sync::sync(|| unsafe {
-                hdf5::h5check(H5Aread(
-                    attr.id(),
-                    dtype.id(),
-                    buf.as_mut_ptr() as *mut c_void,
-                ))
-            })?;
-            Ok(nul_trimmed(&buf))
-        }
-        other => bail!("attribute {name} is {other:?}, not a string"),
-    }
-}
-
-fn npy_label_names(dir: &Path) -> Result<Vec<String>> {
+pub fn npy_label_names(dir: &Path) -> Result<Vec<String>> {
     let path = dir.join("attributes.json");
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read {}", path.display()))?;
@@ -306,8 +297,25 @@ fn npy_column<T, const N: usize>(
     descr: &str,
     from: fn([u8; N]) -> T,
 ) -> Result<Vec<T>> {
+    let (row_bytes, bytes) = npy_rows(dir, name, descr)?;
+    if row_bytes != N {
+        bail!(
+            "{}: rows of {row_bytes} bytes, expected {N}",
+            dir.join(format!("{name}.npy")).display()
+        );
+    }
+    Ok(bytes
+        .chunks_exact(N)
+        .map(|c| from(c.try_into().expect("chunks of N bytes")))
+        .collect())
+}
+
+/// The committed rows of an npy column (its header shape) as stored bytes, after checking the
+/// header's dtype is `descr`: the bytes of one row, and all of them in row order.
+pub fn npy_rows(dir: &Path, name: &str, descr: &str) -> Result<(usize, Vec<u8>)> {
     let path = dir.join(format!("{name}.npy"));
-    let bytes = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut bytes =
+        std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
     let bad = |what: &str| anyhow::anyhow!("{}: {what}", path.display());
     if !bytes.starts_with(b"\x93NUMPY") || bytes.len() < 10 {
         return Err(bad("not an npy file"));
@@ -325,22 +333,40 @@ fn npy_column<T, const N: usize>(
             .get(hstart..hstart + hlen)
             .ok_or_else(|| bad("truncated npy header"))?,
     )
-    .map_err(|_| bad("npy header is not text"))?;
+    .map_err(|_| bad("npy header is not text"))?
+    .to_string();
     if !header.contains(&format!("'descr': '{descr}'")) {
         return Err(bad(&format!("expected dtype {descr}, header {header:?}")));
     }
-    let shape = header
+    let dims: Vec<usize> = header
         .split("'shape': (")
         .nth(1)
-        .and_then(|s| s.split([',', ')']).next())
-        .and_then(|s| s.trim().parse::<usize>().ok())
+        .and_then(|s| s.split(')').next())
+        .map(|s| {
+            s.split(',')
+                .map(str::trim)
+                .filter(|d| !d.is_empty())
+                .map(|d| d.parse::<usize>())
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .and_then(|d| d.ok())
+        .filter(|d| !d.is_empty())
         .ok_or_else(|| bad(&format!("no row count in header {header:?}")))?;
-    let data = &bytes[hstart + hlen..];
-    if data.len() < shape * N {
-        return Err(bad(&format!("header says {shape} rows, data holds fewer")));
+    let item: usize = descr
+        .trim_start_matches(['<', '>', '|', '='])
+        .trim_start_matches(|c: char| c.is_ascii_alphabetic())
+        .parse()
+        .map_err(|_| bad(&format!("unsupported dtype {descr}")))?;
+    let row_bytes = item * dims[1..].iter().product::<usize>();
+    let data_start = hstart + hlen;
+    let len = dims[0] * row_bytes;
+    if bytes.len() < data_start + len {
+        return Err(bad(&format!(
+            "header says {} rows, data holds fewer",
+            dims[0]
+        )));
     }
-    Ok(data[..shape * N]
-        .chunks_exact(N)
-        .map(|c| from(c.try_into().unwrap()))
-        .collect())
+    bytes.truncate(data_start + len);
+    bytes.drain(..data_start);
+    Ok((row_bytes, bytes))
 }
