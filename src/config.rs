@@ -467,6 +467,9 @@ pub struct Ingest {
     pub rescan_interval_s: u64,
     /// Decode/hash/featurise threads; 0 = one per core.
     pub workers: usize,
+    /// After this many seconds without work the service closes its files cleanly, so any
+    /// reader opens them plainly; the next file reopens them. 0 = keep them open.
+    pub idle_close_s: u64,
 }
 
 impl Default for Ingest {
@@ -479,6 +482,7 @@ impl Default for Ingest {
             quarantine_after_s: 300,
             rescan_interval_s: 3600,
             workers: 0,
+            idle_close_s: 60,
         }
     }
 }

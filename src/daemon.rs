@@ -71,6 +71,8 @@ struct Shared {
     alive_ms: AtomicI64,
     /// Files waiting to be complete (the settle stage's list, refreshed now and then).
     pending: Mutex<Vec<PendingFile>>,
+    /// Set while writing fails (for systemd's STATUS=).
+    fault: Mutex<Option<String>>,
 }
 
 pub async fn serve(
@@ -83,8 +85,14 @@ pub async fn serve(
     }
     let _lock = WriterLocks::acquire(&settings, "run")?;
     let _metrics = crate::metrics::Exporter::start(&settings.metrics)?;
-    let engine = Engine::open_live(&settings, settings.ingest.device)?;
-    let device = engine.device().to_string();
+    // A full disk does not stop the service from starting: it waits for room (see Worker).
+    let engine = match Engine::open_live(&settings, settings.ingest.device) {
+        Err(e) if e.downcast_ref::<crate::engine::commit::NoRoom>().is_none() => return Err(e),
+        other => other,
+    };
+    let device = engine
+        .as_ref()
+        .map_or_else(|_| "-".to_string(), |e| e.device().to_string());
     crate::metrics::device(&device);
     let root = std::path::absolute(&settings.paths.recordings)?;
 
@@ -288,9 +296,11 @@ pub async fn serve(
             pending_listed = Instant::now();
         }
         let queue = settler.len() + shared.queued.load(Ordering::Relaxed);
-        let _ = sd_notify::notify(&[NotifyState::Status(&format!(
-            "queue {queue}, ingested {ingested}, on {device}"
-        ))]);
+        let text = match &*shared.fault.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => format!("WRITING FAILS, retrying: {e}; queue {queue}, ingested {ingested}"),
+            None => format!("queue {queue}, ingested {ingested}, on {device}"),
+        };
+        let _ = sd_notify::notify(&[NotifyState::Status(&text)]);
     }
 
     for o in gone.drain(..) {
@@ -361,34 +371,164 @@ impl Recent {
     }
 }
 
-fn worker_loop(
-    mut engine: Engine,
-    mut settings: Settings,
-    rx: crossbeam_channel::Receiver<Work>,
-    report: mpsc::UnboundedSender<Report>,
+/// A failure to write (disk full, I/O error, the featuriser failing) the worker is riding out.
+struct Fault {
+    since_ms: i64,
+    error: String,
+    /// The next attempt to reopen the outputs.
+    retry_at: Instant,
+}
+
+/// The ingest worker: drives the engine, closes it when idle, and rides out write failures.
+struct Worker {
+    settings: Settings,
     shared: Arc<Shared>,
-) -> anyhow::Result<()> {
-    let mut recent = Recent {
-        latencies: VecDeque::new(),
-        errors: VecDeque::new(),
-    };
-    let mut ingested = 0u64;
-    let mut last_snapshot = Instant::now() - Duration::from_secs(3600);
-    let mut snapshot_cost = Duration::ZERO;
-    let mut dirty = true;
-    let mut deferred: VecDeque<Work> = VecDeque::new();
-    // What the engine reports done: figures for `status`, rereads, the queue depth.
-    let on_done = |done: Done, recent: &mut Recent, ingested: &mut u64| {
-        *ingested += (done.counts.new_rows + done.counts.attached) as u64;
-        crate::metrics::file_ingested((done.counts.new_rows + done.counts.attached) as u64);
+    report: mpsc::UnboundedSender<Report>,
+    /// None while closed (idle, or after a failure).
+    engine: Option<Engine>,
+    /// The warm featuriser of a closed engine.
+    warm: Option<Box<dyn crate::features::Featuriser>>,
+    fault: Option<Fault>,
+    /// Failures since the last batch committed: the backoff grows with them.
+    failures: u32,
+    /// Changes dropped while writing failed: the rescan after recovery finds them again.
+    dropped: usize,
+    recent: Recent,
+    ingested: u64,
+    /// The manifest's part of the last snapshot (kept while the engine is closed).
+    last_report: status::StatusReport,
+    dirty: bool,
+    last_snapshot: Instant,
+    snapshot_cost: Duration,
+    last_work: Instant,
+    device: String,
+}
+
+impl Worker {
+    /// Backoff before reopening after the n-th failure in a row: 1, 2, 4 ... 30 s.
+    fn backoff(failures: u32) -> Duration {
+        Duration::from_secs((1u64 << failures.saturating_sub(1).min(5)).min(30))
+    }
+
+    /// Open the engine if it is closed, with the warm featuriser when there is one.
+    fn open(&mut self) -> anyhow::Result<&mut Engine> {
+        if self.engine.is_none() {
+            let warm = match self.warm.take() {
+                Some(f) => crate::engine::Warm::Keep(f),
+                None => crate::engine::Warm::Build(self.settings.ingest.device),
+            };
+            let engine = Engine::open_live_with(&self.settings, warm)?;
+            self.device = engine.device().to_string();
+            crate::metrics::outputs_open(true);
+            self.engine = Some(engine);
+        }
+        Ok(self.engine.as_mut().expect("opened above"))
+    }
+
+    /// Writing failed: drop what is in flight (nothing of it was recorded, the outputs are cut
+    /// back to their committed rows), report, and retry later.
+    fn fail(&mut self, e: anyhow::Error) {
+        if let Some(engine) = self.engine.take() {
+            self.warm = engine.abandon();
+        }
+        crate::metrics::outputs_open(false);
+        self.failures += 1;
+        let wait = Self::backoff(self.failures);
+        let error = format!("{e:#}");
+        log::error!(
+            "writing failed, nothing of the batch was recorded: {error}; the service stays up and tries again in {} s",
+            wait.as_secs()
+        );
+        crate::metrics::error("write");
+        crate::metrics::write_failing(true);
+        self.recent.push_error(format!("writing: {error}"));
+        let since_ms = self.fault.as_ref().map_or(now_ms(), |f| f.since_ms);
+        *self.shared.fault.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
+        self.fault = Some(Fault {
+            since_ms,
+            error,
+            retry_at: Instant::now() + wait,
+        });
+        self.dirty = true;
+        self.snapshot();
+    }
+
+    /// Reopen after a failure; on success, compare the tree with the manifest, which finds
+    /// every change dropped meanwhile.
+    fn retry(&mut self) {
+        let result = self.open().and_then(|engine| engine.reconcile());
+        match result {
+            Ok(r) => {
+                let f = self.fault.take().expect("retrying a fault");
+                *self.shared.fault.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                crate::metrics::write_failing(false);
+                log::warn!(
+                    "writing works again after {:.0} s; {} changes seen meanwhile are taken up again",
+                    (now_ms() - f.since_ms) as f64 / 1e3,
+                    self.dropped
+                );
+                self.dropped = 0;
+                let _ = self.report.send(Report::Reconciled(r));
+                self.dirty = true;
+            }
+            Err(e) => {
+                if let Some(engine) = self.engine.take() {
+                    self.warm = engine.abandon();
+                }
+                crate::metrics::outputs_open(false);
+                self.failures += 1;
+                let wait = Self::backoff(self.failures);
+                let error = format!("{e:#}");
+                log::warn!(
+                    "writing still fails: {error}; next try in {} s",
+                    wait.as_secs()
+                );
+                *self.shared.fault.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
+                let f = self.fault.as_mut().expect("retrying a fault");
+                f.error = error;
+                f.retry_at = Instant::now() + wait;
+                self.dirty = true;
+                self.snapshot();
+            }
+        }
+    }
+
+    /// Idle long enough: commit, close the files cleanly (plain readers open them), keep the
+    /// featuriser warm for the next file.
+    fn close_idle(&mut self) {
+        self.snapshot();
+        let Some(engine) = self.engine.take() else {
+            return;
+        };
+        match engine.suspend() {
+            Ok(f) => {
+                self.warm = Some(f);
+                crate::metrics::outputs_open(false);
+                log::info!(
+                    "idle for {} s: outputs closed (plain HDF5 readers open them); the next file reopens them",
+                    self.settings.ingest.idle_close_s
+                );
+                self.dirty = true;
+                self.snapshot();
+            }
+            Err(e) => self.fail(e),
+        }
+    }
+
+    /// What the engine reports done: figures for `status`, rereads, the queue depth.
+    fn on_done(&mut self, done: Done) {
+        self.failures = 0;
+        let n = (done.counts.new_rows + done.counts.attached) as u64;
+        self.ingested += n;
+        crate::metrics::file_ingested(n);
         for l in &done.latencies {
-            recent.push_latency(l.as_secs_f64() * 1e3);
+            self.recent.push_latency(l.as_secs_f64() * 1e3);
             crate::metrics::commit_latency(l.as_secs_f64());
         }
         for (rel, reason) in &done.quarantined {
             crate::metrics::file_quarantined(&reason.to_string());
             log::warn!(file = rel.as_str(), reason = reason.to_string().as_str(); "quarantined {rel}: {reason}");
-            recent.push_error(format!("{rel}: {reason}"));
+            self.recent.push_error(format!("{rel}: {reason}"));
         }
         log::debug!(
             "batch: {} new rows, {} attached, {} unchanged, {} removed, {} quarantined",
@@ -398,30 +538,174 @@ fn worker_loop(
             done.counts.removed,
             done.counts.quarantined
         );
-        let _ = report.send(Report::Batch(done));
+        let _ = self.report.send(Report::Batch(done));
+        self.dirty = true;
+    }
+
+    fn in_flight(&self) -> usize {
+        self.engine.as_ref().map_or(0, |e| e.in_flight())
+    }
+
+    fn take_completed(&mut self) {
+        let Some(engine) = self.engine.as_mut() else {
+            return;
+        };
+        match engine.completed() {
+            Ok(done) => done.into_iter().for_each(|d| self.on_done(d)),
+            Err(e) => self.fail(e),
+        }
+    }
+
+    fn wait_all(&mut self) -> bool {
+        let Some(engine) = self.engine.as_mut() else {
+            return self.fault.is_none();
+        };
+        match engine.wait() {
+            Ok(done) => {
+                done.into_iter().for_each(|d| self.on_done(d));
+                true
+            }
+            Err(e) => {
+                self.fail(e);
+                false
+            }
+        }
+    }
+
+    fn snapshot(&mut self) {
+        if let Some(engine) = &self.engine {
+            match status::collect(engine.manifest(), engine.labels(), &self.settings) {
+                Ok(r) => self.last_report = r,
+                Err(e) => log::warn!("cannot read the manifest for the status snapshot: {e:#}"),
+            }
+            for (stage, secs) in engine.times().seconds() {
+                crate::metrics::stage_seconds(stage, secs);
+            }
+        }
+        let mut r = self.last_report.clone();
+        crate::metrics::record_status(&r);
+        let shared = &self.shared;
+        let queue = shared.settling.load(Ordering::Relaxed) + shared.queued.load(Ordering::Relaxed);
+        crate::metrics::pending(shared.settling.load(Ordering::Relaxed));
+        crate::metrics::queue_depth(queue);
+        r.service = Some(ServiceStatus {
+            pid: std::process::id(),
+            device: self.device.clone(),
+            queue_depth: queue,
+            ingested: self.ingested,
+            latency_ms_p50: self.recent.percentile(0.5),
+            latency_ms_p90: self.recent.percentile(0.9),
+            latency_ms_p99: self.recent.percentile(0.99),
+            last_errors: self.recent.errors.iter().cloned().collect(),
+            pending: shared
+                .pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            updated_ms: now_ms(),
+            outputs_open: self.engine.is_some(),
+            write_failing: self.fault.as_ref().map(|f| status::WriteFailing {
+                since_ms: f.since_ms,
+                error: f.error.clone(),
+                retry_in_s: f
+                    .retry_at
+                    .saturating_duration_since(Instant::now())
+                    .as_secs_f64(),
+                dropped: self.dropped,
+            }),
+        });
+        let path = status::snapshot_path(&self.settings);
+        let result = (|| -> anyhow::Result<()> {
+            let tmp = path.with_extension("json.tmp");
+            std::fs::write(&tmp, serde_json::to_vec_pretty(&r)?)?;
+            std::fs::rename(&tmp, &path)?;
+            Ok(())
+        })();
+        if let Err(e) = result {
+            log::warn!("cannot write the status snapshot {}: {e:#}", path.display());
+        }
+        self.dirty = false;
+        self.last_snapshot = Instant::now();
+    }
+}
+
+fn worker_loop(
+    engine: anyhow::Result<Engine>,
+    settings: Settings,
+    rx: crossbeam_channel::Receiver<Work>,
+    report: mpsc::UnboundedSender<Report>,
+    shared: Arc<Shared>,
+) -> anyhow::Result<()> {
+    let mut w = Worker {
+        device: engine
+            .as_ref()
+            .map_or_else(|_| "-".to_string(), |e| e.device().to_string()),
+        settings,
+        shared,
+        report,
+        engine: None,
+        warm: None,
+        fault: None,
+        failures: 0,
+        dropped: 0,
+        recent: Recent {
+            latencies: VecDeque::new(),
+            errors: VecDeque::new(),
+        },
+        ingested: 0,
+        last_report: status::StatusReport::default(),
+        dirty: true,
+        last_snapshot: Instant::now() - Duration::from_secs(3600),
+        snapshot_cost: Duration::ZERO,
+        last_work: Instant::now(),
     };
+    match engine {
+        Ok(e) => {
+            crate::metrics::outputs_open(true);
+            w.engine = Some(e);
+        }
+        // Only a full disk gets here (serve() stops on anything else): wait for room.
+        Err(e) => w.fail(e),
+    }
+    let mut deferred: VecDeque<Work> = VecDeque::new();
     loop {
-        shared.alive_ms.store(now_ms(), Ordering::Relaxed);
-        for done in engine.completed()? {
-            on_done(done, &mut recent, &mut ingested);
-            dirty = true;
+        w.shared.alive_ms.store(now_ms(), Ordering::Relaxed);
+        w.take_completed();
+        if w.fault
+            .as_ref()
+            .is_some_and(|f| Instant::now() >= f.retry_at)
+        {
+            w.retry();
         }
         let first = match deferred.pop_front() {
-            Some(w) => w,
+            Some(work) => work,
             None => {
                 // Batches in flight: wait for them a little, so their figures come in promptly.
-                let wait = if engine.in_flight() > 0 { 5 } else { 1000 };
-                match rx.recv_timeout(Duration::from_millis(wait)) {
-                    Ok(w) => w,
+                let wait = match &w.fault {
+                    _ if w.in_flight() > 0 => Duration::from_millis(5),
+                    Some(f) => f
+                        .retry_at
+                        .saturating_duration_since(Instant::now())
+                        .min(Duration::from_secs(1)),
+                    None => Duration::from_secs(1),
+                };
+                match rx.recv_timeout(wait) {
+                    Ok(work) => work,
                     Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                        if engine.in_flight() > 0 {
+                        if w.in_flight() > 0 {
                             // Never block on the engine here: new files must be taken at once.
                             continue;
                         }
-                        // Idle: a good moment for the status snapshot.
-                        if dirty {
-                            write_snapshot(&engine, &settings, &shared, &recent, ingested);
-                            dirty = false;
+                        // Idle: a good moment for the status snapshot, or to close the files.
+                        if w.dirty {
+                            w.snapshot();
+                        }
+                        let idle_close = w.settings.ingest.idle_close_s;
+                        if w.engine.is_some()
+                            && idle_close > 0
+                            && w.last_work.elapsed() >= Duration::from_secs(idle_close)
+                        {
+                            w.close_idle();
                         }
                         continue;
                     }
@@ -431,11 +715,24 @@ fn worker_loop(
         };
         match first {
             Work::Op(op) => {
+                w.last_work = Instant::now();
+                let loads = |o: &Input| matches!(o, Input::Load { .. });
+                if w.fault.is_some() {
+                    // Nothing can be written: the rescan after recovery takes it up again.
+                    if loads(&op) {
+                        w.shared.queued.fetch_sub(
+                            1.min(w.shared.queued.load(Ordering::Relaxed)),
+                            Ordering::Relaxed,
+                        );
+                    }
+                    w.dropped += 1;
+                    continue;
+                }
                 // Micro-batch: everything already queued, up to max_batch_files; while files are
                 // still settling, wait up to max_batch_latency_ms after the first for more.
                 let started = Instant::now();
                 let deadline =
-                    started + Duration::from_millis(settings.ingest.max_batch_latency_ms);
+                    started + Duration::from_millis(w.settings.ingest.max_batch_latency_ms);
                 // A removal is often half of a move whose other half (the file arriving
                 // elsewhere) is a moment behind it: wait for it, so the row is handed over in one
                 // batch and never shows as invalid in between.
@@ -444,11 +741,11 @@ fn worker_loop(
                     Input::Observe(Observation::Gone(_) | Observation::FolderGone(_))
                 );
                 let mut ops = vec![op];
-                while ops.len() < settings.ingest.max_batch_files {
+                while ops.len() < w.settings.ingest.max_batch_files {
                     let next = match rx.try_recv() {
-                        Ok(w) => Some(w),
+                        Ok(work) => Some(work),
                         Err(_)
-                            if (removal || shared.settling.load(Ordering::Relaxed) > 0)
+                            if (removal || w.shared.settling.load(Ordering::Relaxed) > 0)
                                 && Instant::now() < deadline =>
                         {
                             rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
@@ -465,57 +762,64 @@ fn worker_loop(
                         None => break,
                     }
                 }
-                let n_loads = ops
-                    .iter()
-                    .filter(|o| matches!(o, Input::Load { .. }))
-                    .count();
-                if let Err(e) = engine.submit(ops) {
-                    // Outputs or manifest failed (disk full, I/O error): nothing of the batch
-                    // was recorded, so a restart ingests it again. Stop here.
-                    log::error!("ingest failed, stopping: {e:#}");
-                    crate::metrics::error("write");
-                    return Err(e);
-                }
-                shared.queued.fetch_sub(
-                    n_loads.min(shared.queued.load(Ordering::Relaxed)),
+                let n_loads = ops.iter().filter(|o| loads(o)).count();
+                w.shared.queued.fetch_sub(
+                    n_loads.min(w.shared.queued.load(Ordering::Relaxed)),
                     Ordering::Relaxed,
                 );
-                dirty = true;
+                let n_ops = ops.len();
+                let submitted = w.open().and_then(|engine| engine.submit(ops));
+                if let Err(e) = submitted {
+                    w.dropped += n_ops;
+                    w.fail(e);
+                }
+                w.dirty = true;
             }
             Work::Rescan => {
-                // The comparison reads the manifest: let what is in flight land first.
-                for done in engine.wait()? {
-                    on_done(done, &mut recent, &mut ingested);
+                if w.fault.is_some() {
+                    continue; // the recovery rescans
                 }
-                match engine.reconcile() {
+                // The comparison reads the manifest: let what is in flight land first.
+                if !w.wait_all() {
+                    continue;
+                }
+                match w.open().and_then(|engine| engine.reconcile()) {
                     Ok(r) => {
-                        let _ = report.send(Report::Reconciled(r));
+                        let _ = w.report.send(Report::Reconciled(r));
                     }
                     Err(e) => {
                         log::error!("rescan failed: {e:#}");
                         crate::metrics::error("rescan");
-                        recent.push_error(format!("rescan: {e:#}"));
+                        w.recent.push_error(format!("rescan: {e:#}"));
                     }
                 }
             }
             Work::Reload(new) => {
-                engine.update_live_settings(&new);
-                settings.ingest = new.ingest.clone();
+                if let Some(engine) = w.engine.as_mut() {
+                    engine.update_live_settings(&new);
+                }
+                w.settings.ingest = new.ingest.clone();
             }
         }
         // Snapshot at most every 2 s, and never more than ~10% of the time.
-        if dirty && last_snapshot.elapsed() > (snapshot_cost * 10).max(Duration::from_secs(2)) {
+        if w.dirty && w.last_snapshot.elapsed() > (w.snapshot_cost * 10).max(Duration::from_secs(2))
+        {
             let t = Instant::now();
-            write_snapshot(&engine, &settings, &shared, &recent, ingested);
-            snapshot_cost = t.elapsed();
-            last_snapshot = Instant::now();
-            dirty = false;
+            w.snapshot();
+            w.snapshot_cost = t.elapsed();
         }
     }
-    for done in engine.wait()? {
-        on_done(done, &mut recent, &mut ingested);
+    w.wait_all();
+    w.snapshot();
+    if let Some(f) = &w.fault {
+        log::warn!(
+            "stopping while writing fails ({}): what was not recorded is ingested at the next start",
+            f.error
+        );
     }
-    write_snapshot(&engine, &settings, &shared, &recent, ingested);
+    let Some(engine) = w.engine.take() else {
+        return Ok(());
+    };
     let stages: Vec<String> = engine
         .times()
         .seconds()
@@ -523,53 +827,9 @@ fn worker_loop(
         .map(|(k, v)| format!("{k} {v:.3}s"))
         .collect();
     log::info!(
-        "stopping: {ingested} files ingested this run; time per stage: {}",
+        "stopping: {} files ingested this run; time per stage: {}",
+        w.ingested,
         stages.join(", ")
     );
     engine.finish().map(drop)
-}
-
-fn write_snapshot(
-    engine: &Engine,
-    settings: &Settings,
-    shared: &Shared,
-    recent: &Recent,
-    ingested: u64,
-) {
-    let result = (|| -> anyhow::Result<()> {
-        let mut r = status::collect(engine.manifest(), engine.labels(), settings)?;
-        crate::metrics::record_status(&r);
-        crate::metrics::pending(shared.settling.load(Ordering::Relaxed));
-        crate::metrics::queue_depth(
-            shared.settling.load(Ordering::Relaxed) + shared.queued.load(Ordering::Relaxed),
-        );
-        for (stage, secs) in engine.times().seconds() {
-            crate::metrics::stage_seconds(stage, secs);
-        }
-        r.service = Some(ServiceStatus {
-            pid: std::process::id(),
-            device: engine.device().to_string(),
-            queue_depth: shared.settling.load(Ordering::Relaxed)
-                + shared.queued.load(Ordering::Relaxed),
-            ingested,
-            latency_ms_p50: recent.percentile(0.5),
-            latency_ms_p90: recent.percentile(0.9),
-            latency_ms_p99: recent.percentile(0.99),
-            last_errors: recent.errors.iter().cloned().collect(),
-            pending: shared
-                .pending
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone(),
-            updated_ms: now_ms(),
-        });
-        let path = status::snapshot_path(settings);
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&r)?)?;
-        std::fs::rename(&tmp, &path)?;
-        Ok(())
-    })();
-    if let Err(e) = result {
-        log::warn!("cannot write the status snapshot: {e:#}");
-    }
 }

@@ -8,13 +8,15 @@
 //!   (inotify), [`source::settle`] (when a touched file is complete);
 //! - [`engine`]: the stages and their threads; [`engine::ledger`] (the one place that decides
 //!   rows, ownership, moves and quarantine), [`engine::commit`] (the one commit protocol),
-//!   [`engine::manifest`] (sled, the commit point), [`engine::outcome`] (typed outcomes);
+//!   [`engine::manifest`] (sled, the commit point), [`engine::outcome`] (typed outcomes),
+//!   [`engine::recover`] (a lost manifest rebuilt from the outputs);
 //! - [`decode`]: WAV bytes -> mono waveform at the configured rate;
 //! - [`features`]: waveforms -> float16 dB mel rows ([`features::cpu`], [`features::cuda`]);
 //! - [`identity`]: content hash, label, split, file-name metadata;
-//! - [`output`]: rows -> per-split HDF5 files and npy memmaps;
+//! - [`output`]: rows -> per-split HDF5 files and npy memmaps; [`output::read`] reads them back
+//!   as a user's reader does (SWMR);
 //! - the commands: [`rebuild`] (bulk into staging, swapped in by [`staging`]) and [`daemon`]
-//!   (the service), [`status`], [`inspect`], [`demo`] with [`synth`], [`doctor`].
+//!   (the service: micro-batches, idle close, riding out write failures), [`status`], [`inspect`], [`demo`] with [`synth`], [`doctor`].
 //!
 //!   [`plot`] draws the pictures of `inspect` and `status`.
 //!

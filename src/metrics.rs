@@ -100,6 +100,14 @@ fn describe() {
         "time spent per pipeline stage since the start (only grows while the process lives)"
     );
     describe_counter!("ailhd_errors_total", "errors, by kind");
+    describe_gauge!(
+        "ailhd_write_failing",
+        "1 while writing the outputs or the manifest fails (disk full, I/O error); the service retries by itself"
+    );
+    describe_gauge!(
+        "ailhd_outputs_open",
+        "1 while the output files are open for appending; 0 when closed while idle (ingest.idle_close_s) or while writing fails"
+    );
     describe_counter!(
         "ailhd_config_reloads_total",
         "configuration reloads (SIGHUP), by result (accepted, refused)"
@@ -177,6 +185,18 @@ pub fn error(kind: &'static str) {
 }
 
 /// A configuration reload, accepted or refused.
+pub fn write_failing(yes: bool) {
+    if enabled() {
+        ::metrics::gauge!("ailhd_write_failing").set(yes as u8 as f64);
+    }
+}
+
+pub fn outputs_open(yes: bool) {
+    if enabled() {
+        ::metrics::gauge!("ailhd_outputs_open").set(yes as u8 as f64);
+    }
+}
+
 pub fn reload(accepted: bool) {
     if enabled() {
         let result = if accepted { "accepted" } else { "refused" };

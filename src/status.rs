@@ -42,6 +42,24 @@ pub struct ServiceStatus {
     #[serde(default)]
     pub pending: Vec<PendingFile>,
     pub updated_ms: i64,
+    /// False while the files are closed (idle for `ingest.idle_close_s`, or writing fails).
+    #[serde(default)]
+    pub outputs_open: bool,
+    /// Set while writing fails (disk full, I/O error): the service retries by itself.
+    #[serde(default)]
+    pub write_failing: Option<WriteFailing>,
+}
+
+/// A write failure the service is riding out.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct WriteFailing {
+    /// Unix milliseconds of the first failure.
+    pub since_ms: i64,
+    pub error: String,
+    /// Seconds to the next attempt.
+    pub retry_in_s: f64,
+    /// Changes seen meanwhile, taken up again by the rescan once writing works.
+    pub dropped: usize,
 }
 
 /// The same bytes under paths with different labels: one row, labelled by the smallest path.
@@ -185,6 +203,17 @@ pub fn render(r: &StatusReport) -> String {
             ms(svc.latency_ms_p90),
             ms(svc.latency_ms_p99)
         );
+        if let Some(f) = &svc.write_failing {
+            let _ = writeln!(
+                s,
+                "WRITING FAILS for {:.0} s, nothing lost, next try in {:.0} s: {}",
+                (crate::engine::manifest::now_ms() - f.since_ms) as f64 / 1e3,
+                f.retry_in_s,
+                f.error
+            );
+        } else if !svc.outputs_open {
+            let _ = writeln!(s, "outputs: closed while idle (plain readers open them)");
+        }
         for e in &svc.last_errors {
             let _ = writeln!(s, "  recent error: {e}");
         }

@@ -3,93 +3,14 @@
 //! the tree while stopped, restart; and SIGKILL at random instants during a stream.
 
 mod common;
-use common::service::Service;
+use common::service::*;
 use common::*;
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 const FAST: &str = "[ingest]\nsettle_ms = 100\nquarantine_after_s = 2\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n";
-
-fn committed(s: &serde_json::Value) -> u64 {
-    s["files"]["committed"].as_u64().unwrap_or(0)
-}
-
-fn quarantined(s: &serde_json::Value) -> BTreeMap<String, String> {
-    s["quarantined"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .map(|q| {
-                    (
-                        q["path"].as_str().unwrap().to_string(),
-                        q["reason"].as_str().unwrap().to_string(),
-                    )
-                })
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn fixture_bytes(name: &str) -> Vec<u8> {
-    std::fs::read(fixtures().join("wav").join(format!("{name}.wav"))).unwrap()
-}
-
-fn write_via_rename(rec: &Path, rel: &str, bytes: &[u8]) {
-    let dst = rec.join(rel);
-    std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
-    let tmp = dst.with_extension("wav.part");
-    std::fs::write(&tmp, bytes).unwrap();
-    std::fs::rename(&tmp, &dst).unwrap();
-}
-
-/// What the tree holds now: hash -> labels its paths allow.
-fn expected(world: &World) -> serde_json::Value {
-    let names = ailhd::config::Settings::default().labels.names;
-    let mut map: BTreeMap<String, Vec<i16>> = BTreeMap::new();
-    let files = ailhd::source::scan(&world.rec()).unwrap();
-    for found in files {
-        let ailhd::source::Found::Recording(rel) = found else {
-            continue;
-        };
-        let bytes = std::fs::read(world.rec().join(&rel)).unwrap();
-        if ailhd::decode::decode(&bytes, 4096, 40960).is_err() {
-            continue;
-        }
-        let Some(label) = names
-            .iter()
-            .position(|n| rel.split('/').next() == Some(n.as_str()))
-        else {
-            continue;
-        };
-        if !rel.contains('/') {
-            continue;
-        }
-        map.entry(ailhd::identity::hex(&ailhd::identity::content_hash(&bytes)))
-            .or_default()
-            .push(label as i16);
-    }
-    serde_json::to_value(map).unwrap()
-}
-
-/// Rebuild the same tree elsewhere and compare row by row with the daemon's outputs.
-fn compare_with_rebuild(world: &World) {
-    let other = World::new("");
-    let cfg = format!(
-        "[paths]\nrecordings = {:?}\noutput = {:?}\nstate = {:?}\n[ingest]\ndevice = \"cpu\"\n",
-        world.rec(),
-        other.out(),
-        other.state()
-    );
-    std::fs::write(&other.config, cfg).unwrap();
-    ok(&other.run(&["rebuild"]));
-    let spec = serde_json::json!({"daemon_out": world.out(), "rebuild_out": other.out(), "expect": expected(world)});
-    let p = world.dir.path().join("compare.json");
-    std::fs::write(&p, serde_json::to_vec(&spec).unwrap()).unwrap();
-    println!("{}", python("compare_rows.py", &[p.to_str().unwrap()]));
-}
 
 #[test]
 fn ingests_every_kind_of_arrival_and_survives_a_restart() {

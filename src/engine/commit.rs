@@ -15,7 +15,7 @@ use crate::engine::manifest::{Manifest, ManifestBatch};
 use crate::engine::stages::StageTimes;
 use crate::output::set::OutputSet;
 use crate::output::RowMeta;
-use anyhow::ensure;
+use anyhow::{ensure, Context};
 use half::f16;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -30,6 +30,8 @@ pub struct Featurised {
 
 pub struct Committer {
     pub outputs: OutputSet,
+    /// Live: the output and state folders, checked for room before every batch.
+    pub room: Option<Room>,
     pub manifest: Arc<Manifest>,
     /// Commit the outputs and flush the manifest after every plan (the service).
     pub live: bool,
@@ -47,6 +49,9 @@ impl Committer {
         let t = Instant::now();
         let batch = self.manifest_batch(plan);
         if self.live {
+            if let Some(room) = &self.room {
+                room.check(f)?;
+            }
             // sled writes back on its own too: the manifest must not get ahead of the outputs.
             self.write(f)?;
             self.outputs.commit()?;
@@ -145,4 +150,78 @@ impl Committer {
         self.manifest.flush()?;
         self.outputs.close()
     }
+}
+
+/// Free space the service keeps in hand on the output and state folders: a batch is written
+/// only when its rows fit with this to spare, so a filling disk stops the service before
+/// HDF5 or sled ever meet ENOSPC half-way through a write (their files stay whole).
+pub const RESERVE_BYTES: u64 = 4 << 20;
+
+/// The folders a live commit writes to, and how many copies of each row it writes.
+pub struct Room {
+    pub output: std::path::PathBuf,
+    pub state: std::path::PathBuf,
+    /// Enabled outputs (HDF5, npy): each holds every row.
+    pub copies: u64,
+    pub path_bytes: u64,
+}
+
+impl Room {
+    /// Refuse a batch that would not leave [`RESERVE_BYTES`] free (the error says where and
+    /// how much).
+    pub fn check(&self, f: &Featurised) -> anyhow::Result<()> {
+        let rows: u64 = f.plan.new_rows.iter().map(|r| r.len() as u64).sum();
+        let data: u64 = f.mel.iter().map(|m| (m.len() * 2) as u64).sum::<u64>()
+            + f.waveform
+                .iter()
+                .flatten()
+                .map(|w| (w.len() * 4) as u64)
+                .sum::<u64>();
+        // The narrow columns of a row: source_path plus about 100 bytes of the others.
+        let need = self.copies * (data + rows * (self.path_bytes + 100)) + RESERVE_BYTES;
+        for (dir, need) in [(&self.output, need), (&self.state, RESERVE_BYTES)] {
+            ensure_room(dir, need)?;
+        }
+        Ok(())
+    }
+}
+
+/// The file system holding `dir` has less than `need` bytes free.
+#[derive(Debug, thiserror::Error)]
+#[error("no room to write: {dir} has {} free, {} needed (with {} kept in hand): disk full", human(*.free), human(*.need), human(RESERVE_BYTES))]
+pub struct NoRoom {
+    pub dir: String,
+    pub free: u64,
+    pub need: u64,
+}
+
+/// Fail with [`NoRoom`] unless `dir`'s file system has `need` bytes free.
+pub fn ensure_room(dir: &std::path::Path, need: u64) -> anyhow::Result<()> {
+    let free = free_bytes(dir)?;
+    if free < need {
+        return Err(NoRoom {
+            dir: dir.display().to_string(),
+            free,
+            need,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Bytes an unprivileged writer may still use on the file system holding `dir`.
+pub fn free_bytes(dir: &std::path::Path) -> anyhow::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated path and a zeroed struct statvfs for the kernel to fill.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("cannot read the free space of {}", dir.display()));
+    }
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+fn human(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
 }

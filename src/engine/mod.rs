@@ -63,6 +63,18 @@ pub struct Done {
     pub other_shards: usize,
 }
 
+/// What the featuriser thread hands back when it stops.
+type Featuring = (Option<DeviceTimes>, Box<dyn Featuriser>);
+/// What a stopped engine hands back: the GPU's stage times, the featuriser if its thread had it.
+type Stopped = (Option<DeviceTimes>, Option<Box<dyn Featuriser>>);
+
+/// The featuriser an engine starts with: a new one for a device, or the warm one of a
+/// suspended engine (no device set-up again after an idle close or a write failure).
+pub enum Warm {
+    Build(DeviceChoice),
+    Keep(Box<dyn Featuriser>),
+}
+
 pub struct Engine {
     settings: Settings,
     shape: FeatureShape,
@@ -73,7 +85,7 @@ pub struct Engine {
     device: String,
     to_featurise: Option<Sender<Plan>>,
     done: Receiver<anyhow::Result<Done>>,
-    featurising: Option<JoinHandle<Option<DeviceTimes>>>,
+    featurising: Option<JoinHandle<Featuring>>,
     writing: Option<JoinHandle<anyhow::Result<Committer>>>,
     /// Batches submitted and not yet reported done.
     in_flight: usize,
@@ -87,6 +99,18 @@ impl Engine {
     /// The service's engine: the live outputs and manifest, opened for appending after a clean
     /// stop or a crash alike (the caller holds the writer lock).
     pub fn open_live(settings: &Settings, device: DeviceChoice) -> anyhow::Result<Engine> {
+        Self::open_live_with(settings, Warm::Build(device))
+    }
+
+    /// [`Engine::open_live`] with the featuriser of a suspended engine, or a new one.
+    pub fn open_live_with(settings: &Settings, warm: Warm) -> anyhow::Result<Engine> {
+        // Reopening writes (outputs recovered and synced, the manifest flushed): not on a
+        // full disk, where it could only fail half-way.
+        for dir in [&settings.paths.output, &settings.paths.state] {
+            if dir.exists() {
+                commit::ensure_room(dir, commit::RESERVE_BYTES)?;
+            }
+        }
         crate::staging::finish_pending(settings)?;
         let out_dir = &settings.paths.output;
         let manifest = open_or_set_aside(&crate::staging::manifest_dir(settings))?;
@@ -163,7 +187,12 @@ impl Engine {
         manifest.set_meta("feature_fingerprint", &fingerprint)?;
         manifest.set_meta("labels", &serde_json::to_string(&labels.names)?)?;
         manifest.flush()?;
-        let featuriser = features::build(&settings.features, device, settings.worker_threads())?;
+        let featuriser = match warm {
+            Warm::Build(device) => {
+                features::build(&settings.features, device, settings.worker_threads())?
+            }
+            Warm::Keep(f) => f,
+        };
         Ok(Engine::start(
             settings, labels, known_rows, manifest, outputs, featuriser, true,
         ))
@@ -232,11 +261,17 @@ impl Engine {
                             break;
                         }
                     }
-                    featuriser.device_times()
+                    (featuriser.device_times(), featuriser)
                 })
                 .expect("featuriser thread starts")
         };
         let mut committer = Committer {
+            room: live.then(|| commit::Room {
+                output: settings.paths.output.clone(),
+                state: settings.paths.state.clone(),
+                copies: settings.outputs.hdf5 as u64 + settings.outputs.npy as u64,
+                path_bytes: settings.outputs.path_bytes as u64,
+            }),
             outputs,
             manifest: manifest.clone(),
             live,
@@ -253,8 +288,16 @@ impl Engine {
                         committer.commit(&f)?;
                         Ok(done_of(f.plan))
                     });
-                    let failed = result.is_err();
-                    if done_tx.send(result).is_err() || failed {
+                    if let Err(e) = result {
+                        // Roll back: the committer is dropped without a commit, which cuts
+                        // every output back to its committed rows; the manifest never saw
+                        // the batch. Batches decided after it are not carried out.
+                        let text = format!("{e:#}");
+                        let _ = done_tx.send(Err(e));
+                        drop(committer);
+                        bail!("{text}");
+                    }
+                    if done_tx.send(result).is_err() {
                         break;
                     }
                 }
@@ -414,14 +457,45 @@ impl Engine {
     }
 
     /// Drain, commit everything, close the outputs. Returns the GPU's stage times, if any.
-    pub fn finish(mut self) -> anyhow::Result<Option<DeviceTimes>> {
-        let waited = self.wait();
+    pub fn finish(self) -> anyhow::Result<Option<DeviceTimes>> {
+        let (times, _) = self.stop()?;
+        Ok(times)
+    }
+
+    /// Drain, commit everything, close the outputs and the manifest, and hand back the warm
+    /// featuriser for [`Engine::open_live_with`].
+    pub fn suspend(self) -> anyhow::Result<Box<dyn Featuriser>> {
+        let (_, featuriser) = self.stop()?;
+        featuriser.context("the featuriser thread stopped")
+    }
+
+    /// After a failure: drop whatever is in flight (nothing of it is recorded) and hand back
+    /// the featuriser, if its thread still has it.
+    pub fn abandon(mut self) -> Option<Box<dyn Featuriser>> {
         self.to_featurise = None;
-        let device_times = self
+        let featuriser = self
             .featurising
             .take()
-            .map(|h| h.join().expect("featuriser thread panicked"))
-            .unwrap_or_default();
+            .and_then(|h| h.join().ok())
+            .map(|(_, f)| f);
+        if let Some(h) = self.writing.take() {
+            // Ok: the commit thread stopped without a failure; dropping its committer without
+            // a commit cuts back whatever was appended and not committed.
+            let _ = h.join();
+        }
+        featuriser
+    }
+
+    fn stop(mut self) -> anyhow::Result<Stopped> {
+        let waited = self.wait();
+        self.to_featurise = None;
+        let (device_times, featuriser) = match self.featurising.take() {
+            Some(h) => {
+                let (t, f) = h.join().expect("featuriser thread panicked");
+                (t, Some(f))
+            }
+            None => (None, None),
+        };
         let committer = self
             .writing
             .take()
@@ -430,7 +504,7 @@ impl Engine {
             .expect("commit thread panicked");
         waited?;
         committer?.close()?;
-        Ok(device_times)
+        Ok((device_times, featuriser))
     }
 }
 

@@ -16,6 +16,7 @@ names = ["TRAINING_DATASET.H5", "VALIDATION_DATASET.H5", "TESTING_DATASET.H5"]
 files = {}
 polls = 0
 max_rows = 0
+last = {}
 while True:
     for n in names:
         p = os.path.join(out, n)
@@ -36,8 +37,9 @@ while True:
             sp = f["source_path"][:c]
             assert all(len(s) > 0 for s in sp), f"{n}: a committed row has no source_path"
         max_rows = max(max_rows, c)
+        last[n] = c
     polls += 1
     if os.path.exists(stop):
         break
     time.sleep(0.02)
-print(f"ok: {polls} polls, up to {max_rows} committed rows seen, no error")
+print(f"ok: {polls} polls, up to {max_rows} committed rows seen, no error; final committed rows: {sum(last.values())}")

@@ -1,0 +1,215 @@
+//! Faults an acquisition host meets, with the real binary: the output disk filling up (a real
+//! tmpfs of a few MiB), and the service idle for `ingest.idle_close_s` with readers holding the
+//! files (plain h5py, HDF5 1.10's h5dump, and an h5py SWMR reader that never closes them).
+//! A lost state folder is in `daemon.rs`, next to the other restarts.
+
+mod common;
+use common::service::*;
+use common::*;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const FAST: &str = "[ingest]\nsettle_ms = 100\nquarantine_after_s = 2\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n";
+
+fn clip(label: &str, i: usize) -> Vec<u8> {
+    ailhd::synth::wav_pcm16(&ailhd::synth::clip(label, 900 + i as u64, 4096, 10.0), 4096)
+}
+
+fn add(world: &World, range: std::ops::Range<usize>) {
+    for i in range {
+        let label = ["LEAK", "NORMAL"][i % 2];
+        write_via_rename(
+            &world.rec(),
+            &format!("{label}/{}", ailhd::synth::file_name(i, 4)),
+            &clip(label, i),
+        );
+    }
+}
+
+/// A tmpfs mounted on a folder for the test's life.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &Path, size: &str) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        let o = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .expect("mount(8) is needed for the disk-full test");
+        assert!(
+            o.status.success(),
+            "the disk-full test mounts a small tmpfs as the output folder and needs root (or CAP_SYS_ADMIN) for it: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        Tmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// Fill the file system holding `dir` to the last byte; returns the filler's path.
+fn fill(dir: &Path) -> PathBuf {
+    let path = dir.join("filler");
+    let mut f = std::fs::File::create(&path).unwrap();
+    let block = vec![0x5Au8; 1 << 16];
+    while f.write_all(&block).is_ok() {}
+    let mut small = vec![0u8; 512];
+    while f.write_all(&small[..1]).is_ok() {
+        small[0] = 1;
+    }
+    path
+}
+
+fn swmr_reader(world: &World, stop: &Path) -> Child {
+    Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/swmr_reader.py"))
+        .arg(world.out())
+        .arg(stop)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn reader_done(child: Child, stop: &Path) -> String {
+    std::fs::write(stop, b"").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "the SWMR reader failed:\n{text}");
+    text
+}
+
+#[test]
+fn a_full_output_disk_is_ridden_out_and_nothing_is_lost_or_torn() {
+    let world = World::new(&format!(
+        "{FAST}[metrics]\ntextfile = {:?}\n",
+        std::env::temp_dir().join(format!("ailhd-faults-{}.prom", std::process::id()))
+    ));
+    let prom = std::env::temp_dir().join(format!("ailhd-faults-{}.prom", std::process::id()));
+    let _tmpfs = Tmpfs::mount(&world.out(), "24m");
+    add(&world, 0..4);
+    let svc = Service::start(&world);
+    svc.wait("4 files committed", |s| committed(s) == 4);
+    let stop = world.dir.path().join("stop-reader");
+    let reader = swmr_reader(&world, &stop);
+
+    let filler = fill(&world.out());
+    add(&world, 4..7);
+    let snap = svc.wait("the write failure reported", |s| {
+        s["service"]["write_failing"].is_object()
+    });
+    let error = snap["service"]["write_failing"]["error"].as_str().unwrap();
+    assert!(error.contains("disk full"), "{snap}");
+    assert!(
+        error.contains(world.out().to_str().unwrap()),
+        "names the folder: {error}"
+    );
+    // Still up, saying so everywhere an operator looks.
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut child_alive = Command::new("kill")
+        .args(["-0", &svc.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(child_alive.success(), "the service died: {}", svc.log());
+    let text = ok(&world.run(&["status"]));
+    assert!(text.contains("WRITING FAILS"), "{text}");
+    svc.wait_for("the metrics say so", || {
+        std::fs::read_to_string(&prom)
+            .unwrap_or_default()
+            .contains("ailhd_write_failing 1")
+    });
+    assert!(committed(&svc.snapshot().unwrap()) == 4);
+
+    // Room again: it resumes by itself and takes up what arrived meanwhile.
+    std::fs::remove_file(&filler).unwrap();
+    svc.wait("the 3 new files committed", |s| {
+        committed(s) == 7 && s["service"]["write_failing"].is_null()
+    });
+    child_alive = Command::new("kill")
+        .args(["-0", &svc.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(child_alive.success());
+    let out = reader_done(reader, &stop);
+    println!("{out}");
+    let log = svc.terminate();
+    assert!(log.contains("writing works again"), "{log}");
+    let metrics = std::fs::read_to_string(&prom).unwrap();
+    assert!(metrics.contains("ailhd_write_failing 0"), "{metrics}");
+    let _ = std::fs::remove_file(&prom);
+    compare_with_rebuild(&world);
+}
+
+/// Open every split's file as plain (non-SWMR) readers do, with h5py and with HDF5 1.10's
+/// h5dump, and check every dataset has exactly committed_rows rows.
+fn plain_readers_open(world: &World) -> String {
+    let script = r#"
+import os, sys
+import h5py
+out = sys.argv[1]
+total = 0
+for n in ["TRAINING_DATASET.H5", "VALIDATION_DATASET.H5", "TESTING_DATASET.H5"]:
+    with h5py.File(os.path.join(out, n), "r") as f:
+        c = int(f["committed_rows"][0])
+        for d in f:
+            if d != "committed_rows":
+                assert f[d].shape[0] == c, f"{n}:{d} has {f[d].shape[0]} rows, committed {c}"
+        total += c
+print(total)
+"#;
+    let o = Command::new("python3")
+        .args(["-c", script, world.out().to_str().unwrap()])
+        .output()
+        .unwrap();
+    let rows = ok(&o);
+    for n in [
+        "TRAINING_DATASET.H5",
+        "VALIDATION_DATASET.H5",
+        "TESTING_DATASET.H5",
+    ] {
+        let o = Command::new("h5dump")
+            .args(["-H"])
+            .arg(world.out().join(n))
+            .output()
+            .expect("h5dump (Debian's hdf5-tools, HDF5 1.10) is needed: .ci/setup installs it");
+        ok(&o);
+    }
+    rows.trim().to_string()
+}
+
+#[test]
+fn idle_files_are_closed_for_plain_readers_and_reopened_under_a_swmr_reader() {
+    let world = World::new(&format!("{FAST}idle_close_s = 1\n"));
+    add(&world, 0..3);
+    let svc = Service::start(&world);
+    svc.wait("3 files committed", |s| committed(s) == 3);
+    let stop = world.dir.path().join("stop-reader");
+    let reader = swmr_reader(&world, &stop);
+    svc.wait("closed while idle", |s| {
+        s["service"]["outputs_open"] == false && s["service"]["write_failing"].is_null()
+    });
+    assert!(svc.log().contains("outputs closed"), "{}", svc.log());
+    assert_eq!(plain_readers_open(&world), "3");
+
+    // The next file reopens them; the SWMR reader, which kept them open all along, sees it.
+    add(&world, 3..5);
+    svc.wait("5 files committed", |s| committed(s) == 5);
+    svc.wait("closed again", |s| s["service"]["outputs_open"] == false);
+    let out = reader_done(reader, &stop);
+    assert!(out.contains("final committed rows: 5"), "{out}");
+    // A kill while idle leaves files any reader opens.
+    svc.kill9();
+    assert_eq!(plain_readers_open(&world), "5");
+    compare_with_rebuild(&world);
+}
