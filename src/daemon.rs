@@ -73,6 +73,8 @@ struct Shared {
     pending: Mutex<Vec<PendingFile>>,
     /// Set while writing fails (for systemd's STATUS=).
     fault: Mutex<Option<String>>,
+    /// Folders the watcher could not watch (limits), with why.
+    unwatched: Mutex<Vec<(PathBuf, String)>>,
 }
 
 pub async fn serve(
@@ -117,6 +119,7 @@ pub async fn serve(
         }
         let _ = work_tx.send(w);
     };
+    *shared.unwatched.lock().unwrap_or_else(|e| e.into_inner()) = watcher.unwatched();
     send(Work::Rescan);
 
     let mut settings = settings;
@@ -145,6 +148,7 @@ pub async fn serve(
     let mut next_rescan = rescan_deadline(&settings);
     let mut watchdog_tick =
         tokio::time::interval(watchdog.map(|d| d / 2).unwrap_or(Duration::from_secs(3600)));
+    let mut unwatched_tick = tokio::time::interval(UNWATCHED_RETRY);
     loop {
         let settle_at = settler.next_deadline();
         tokio::select! {
@@ -278,6 +282,15 @@ pub async fn serve(
                 send(Work::Rescan);
                 next_rescan = rescan_deadline(&settings);
             }
+            _ = unwatched_tick.tick() => {
+                // Folders a watch limit left unwatched: try again, and rescan meanwhile (after
+                // a success too: their events until now were missed).
+                if !watcher.unwatched().is_empty() {
+                    watcher.retry_unwatched();
+                    *shared.unwatched.lock().unwrap_or_else(|e| e.into_inner()) = watcher.unwatched();
+                    send(Work::Rescan);
+                }
+            }
             _ = watchdog_tick.tick(), if watchdog.is_some() => {
                 // Fed only while the worker makes progress (or waits idle).
                 let age = now_ms() - shared.alive_ms.load(Ordering::Relaxed);
@@ -293,6 +306,9 @@ pub async fn serve(
             let mut list = settler.pending();
             list.truncate(200);
             *shared.pending.lock().unwrap_or_else(|e| e.into_inner()) = list;
+            let unwatched = watcher.unwatched();
+            crate::metrics::unwatched(unwatched.len());
+            *shared.unwatched.lock().unwrap_or_else(|e| e.into_inner()) = unwatched;
             pending_listed = Instant::now();
         }
         let queue = settler.len() + shared.queued.load(Ordering::Relaxed);
@@ -316,6 +332,9 @@ pub async fn serve(
         Err(_) => anyhow::bail!("the ingest worker panicked"),
     }
 }
+
+/// How often folders a watch limit left unwatched are retried (and the tree rescanned).
+const UNWATCHED_RETRY: Duration = Duration::from_secs(10);
 
 /// How long a removal waits for the arrival that would make it a move.
 const GONE_HOLD: Duration = Duration::from_millis(50);
@@ -604,6 +623,16 @@ impl Worker {
                 .clone(),
             updated_ms: now_ms(),
             outputs_open: self.engine.is_some(),
+            unwatched: shared
+                .unwatched
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .map(|(p, r)| status::Unwatched {
+                    path: p.display().to_string(),
+                    reason: r.clone(),
+                })
+                .collect(),
             write_failing: self.fault.as_ref().map(|f| status::WriteFailing {
                 since_ms: f.since_ms,
                 error: f.error.clone(),
@@ -776,6 +805,7 @@ fn worker_loop(
                 w.dirty = true;
             }
             Work::Rescan => {
+                w.dirty = true;
                 if w.fault.is_some() {
                     continue; // the recovery rescans
                 }

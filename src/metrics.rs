@@ -105,6 +105,10 @@ fn describe() {
         "1 while writing the outputs or the manifest fails (disk full, I/O error); the service retries by itself"
     );
     describe_gauge!(
+        "ailhd_unwatched_folders",
+        "folders inotify could not watch (limits): retried, and the tree rescanned meanwhile"
+    );
+    describe_gauge!(
         "ailhd_outputs_open",
         "1 while the output files are open for appending; 0 when closed while idle (ingest.idle_close_s) or while writing fails"
     );
@@ -188,6 +192,12 @@ pub fn error(kind: &'static str) {
 pub fn write_failing(yes: bool) {
     if enabled() {
         ::metrics::gauge!("ailhd_write_failing").set(yes as u8 as f64);
+    }
+}
+
+pub fn unwatched(folders: usize) {
+    if enabled() {
+        ::metrics::gauge!("ailhd_unwatched_folders").set(folders as f64);
     }
 }
 

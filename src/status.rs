@@ -48,6 +48,15 @@ pub struct ServiceStatus {
     /// Set while writing fails (disk full, I/O error): the service retries by itself.
     #[serde(default)]
     pub write_failing: Option<WriteFailing>,
+    /// Folders not watched (inotify limits): retried, and the tree rescanned meanwhile.
+    #[serde(default)]
+    pub unwatched: Vec<Unwatched>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Unwatched {
+    pub path: String,
+    pub reason: String,
 }
 
 /// A write failure the service is riding out.
@@ -213,6 +222,13 @@ pub fn render(r: &StatusReport) -> String {
             );
         } else if !svc.outputs_open {
             let _ = writeln!(s, "outputs: closed while idle (plain readers open them)");
+        }
+        for u in &svc.unwatched {
+            let _ = writeln!(
+                s,
+                "NOT WATCHED (retried and rescanned every 10 s): {}",
+                u.reason
+            );
         }
         for e in &svc.last_errors {
             let _ = writeln!(s, "  recent error: {e}");

@@ -213,3 +213,76 @@ fn idle_files_are_closed_for_plain_readers_and_reopened_under_a_swmr_reader() {
     assert_eq!(plain_readers_open(&world), "5");
     compare_with_rebuild(&world);
 }
+
+#[test]
+fn folders_past_the_watch_limit_are_reported_rescanned_and_retried() {
+    // A real inotify limit without touching the host's: in a user namespace of its own, the
+    // service may hold 3 watches (the root, and two of the three label folders).
+    let world = World::new(FAST);
+    for label in ["CRACK", "LEAK", "NORMAL"] {
+        std::fs::create_dir_all(world.rec().join(label)).unwrap();
+    }
+    let limit = [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "sh",
+        "-c",
+        "echo 3 > /proc/sys/user/max_inotify_watches && exec \"$@\"",
+        "sh",
+    ];
+    let probe = Command::new(limit[0])
+        .args(&limit[1..])
+        .arg("true")
+        .output();
+    assert!(
+        probe.as_ref().is_ok_and(|o| o.status.success()),
+        "this test runs the service in a user namespace with a small inotify limit (unshare -Ur, /proc/sys/user/max_inotify_watches): {probe:?}"
+    );
+    let svc = Service::start_under(&world, &limit);
+    let snap = svc.wait("an unwatched folder reported", |s| {
+        s["service"]["unwatched"]
+            .as_array()
+            .is_some_and(|a| a.len() == 1)
+    });
+    let folder = PathBuf::from(snap["service"]["unwatched"][0]["path"].as_str().unwrap());
+    let reason = snap["service"]["unwatched"][0]["reason"].as_str().unwrap();
+    assert!(reason.contains("max_user_watches"), "{snap}");
+    let text = ok(&world.run(&["status"]));
+    assert!(text.contains("NOT WATCHED"), "{text}");
+    // A recording in it still arrives, through the rescans.
+    let label = folder
+        .strip_prefix(world.rec())
+        .expect("a label folder, not the root")
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        ["CRACK", "LEAK", "NORMAL"].contains(&label.as_str()),
+        "{label}"
+    );
+    write_via_rename(&world.rec(), &format!("{label}/late.wav"), &clip(&label, 1));
+    svc.wait("the recording in the unwatched folder", |s| {
+        committed(s) == 1
+    });
+    // A watch freed (a folder removed): the next retry watches it, and says so.
+    let other = ["CRACK", "LEAK", "NORMAL"]
+        .into_iter()
+        .find(|l| *l != label)
+        .unwrap();
+    std::fs::remove_dir(world.rec().join(other)).unwrap();
+    svc.wait("watched after the retry", |s| {
+        s["service"]["unwatched"]
+            .as_array()
+            .is_some_and(|a| a.is_empty())
+    });
+    // Watched now: a new file is seen at once (no rescan needed).
+    write_via_rename(
+        &world.rec(),
+        &format!("{label}/later.wav"),
+        &clip(&label, 2),
+    );
+    svc.wait("the next recording", |s| committed(s) == 2);
+    let log = svc.terminate();
+    assert!(log.contains("is watched now"), "{log}");
+}

@@ -22,7 +22,7 @@
 //! Threads: notify's inotify loop hands raw events to one worker of ours (`ailhd-watch`), which
 //! translates them and may walk a new folder; stopping joins it.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -174,8 +174,26 @@ pub fn is_wav(path: &Path) -> bool {
         .is_some_and(|ext| ext.eq_ignore_ascii_case("wav"))
 }
 
+/// Folders that could not be watched (inotify's limits), with the reason: the service retries
+/// them and rescans meanwhile (README, "Running the service").
+pub type Unwatched = Arc<Mutex<BTreeMap<PathBuf, String>>>;
+
+/// True for the errors a watch limit gives (as opposed to a missing or unreadable folder).
+pub fn is_limit(err: &notify::Error) -> bool {
+    match &err.kind {
+        notify::ErrorKind::MaxFilesWatch => true,
+        notify::ErrorKind::Io(io) => matches!(
+            io.raw_os_error(),
+            Some(libc::ENOSPC | libc::EMFILE | libc::ENFILE | libc::ENOMEM)
+        ),
+        _ => false,
+    }
+}
+
 /// Watches a tree until stopped or dropped. Events go to the sink given to [`Watcher::start`].
 pub struct Watcher {
+    /// Folders not watched for now (limits); see [`Watcher::retry_unwatched`].
+    unwatched: Unwatched,
     root: PathBuf,
     /// `None` once stopped. Shared with the worker, which adds watches for new folders itself;
     /// taking it out (and dropping it) is what ends the worker.
@@ -220,9 +238,27 @@ impl Watcher {
             notify::Config::default().with_follow_symlinks(false),
         )
         .map_err(|e| WatchError::from_notify(&root, e))?;
-        inner
-            .watch(&root, RecursiveMode::Recursive)
-            .map_err(|e| WatchError::from_notify(&root, e))?;
+        let unwatched = Unwatched::default();
+        match inner.watch(&root, RecursiveMode::Recursive) {
+            Ok(()) => {}
+            // A limit is not a reason to stop: the folder is retried and rescanned meanwhile.
+            Err(e) if is_limit(&e) => {
+                // notify names the folder that hit the limit; the ones before it are watched.
+                let at = e
+                    .paths
+                    .first()
+                    .filter(|p| p.starts_with(&root))
+                    .cloned()
+                    .unwrap_or_else(|| root.clone());
+                let e = WatchError::from_notify(&root, e);
+                log::warn!("{e}; retrying, and rescanning the tree until it is watched");
+                unwatched
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(at, e.to_string());
+            }
+            Err(e) => return Err(WatchError::from_notify(&root, e)),
+        }
 
         let notify = Arc::new(Mutex::new(Some(inner)));
         let stopping = Arc::new(AtomicBool::new(false));
@@ -242,6 +278,7 @@ impl Watcher {
             dirs: HashSet::new(),
             rewatch: Box::new(rewatch),
             stopping: Arc::clone(&stopping),
+            unwatched: Arc::clone(&unwatched),
         };
         // After the watch, so a folder created meanwhile is either listed here or reported.
         translator.walk(&root, false, &mut |_| {});
@@ -255,6 +292,7 @@ impl Watcher {
                 source: notify::Error::io(e),
             })?;
         Ok(Watcher {
+            unwatched,
             root,
             notify,
             stopping,
@@ -265,6 +303,55 @@ impl Watcher {
     /// The watched root, made absolute. Event paths are relative to it.
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// Folders not watched for now, with why.
+    pub fn unwatched(&self) -> Vec<(PathBuf, String)> {
+        let list = self
+            .unwatched
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        list.iter().map(|(p, r)| (p.clone(), r.clone())).collect()
+    }
+
+    /// Try to watch the unwatched folders again; returns how many are watched now (events in
+    /// them may have been missed meanwhile: rescan).
+    pub fn retry_unwatched(&self) -> usize {
+        let dirs: Vec<PathBuf> = self
+            .unwatched
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .keys()
+            .cloned()
+            .collect();
+        let mut watched = 0;
+        for dir in dirs {
+            let result = match self
+                .notify
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .as_mut()
+            {
+                Some(w) if dir.is_dir() => w.watch(&dir, RecursiveMode::Recursive),
+                // Gone, or stopping: nothing to watch.
+                _ => Ok(()),
+            };
+            let mut list = self
+                .unwatched
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            match result {
+                Ok(()) => {
+                    list.remove(&dir);
+                    watched += 1;
+                    log::info!("{} is watched now", dir.display());
+                }
+                Err(e) => {
+                    list.insert(dir.clone(), WatchError::from_notify(&dir, e).to_string());
+                }
+            }
+        }
+        watched
     }
 
     /// Stops watching. When it returns, no further event will be sent and the sink is dropped
@@ -310,6 +397,7 @@ struct Translator {
     /// Adds a recursive watch on a folder and returns once it exists.
     rewatch: Rewatch,
     stopping: Arc<AtomicBool>,
+    unwatched: Unwatched,
 }
 
 impl Translator {
@@ -418,6 +506,19 @@ impl Translator {
             match err.kind {
                 // Gone again already; its removal is (or will be) reported.
                 notify::ErrorKind::PathNotFound => return,
+                _ if is_limit(&err) => {
+                    let reason = WatchError::from_notify(abs, err).to_string();
+                    self.unwatched
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .insert(abs.to_path_buf(), reason.clone());
+                    emit(WatchEvent::Rescan {
+                        reason: format!(
+                            "cannot watch new folder {}: {reason}; retrying",
+                            rel.display()
+                        ),
+                    })
+                }
                 _ => emit(WatchEvent::Rescan {
                     reason: format!(
                         "cannot watch new folder {}: {}",
@@ -504,6 +605,7 @@ mod tests {
             dirs: HashSet::new(),
             rewatch: Box::new(|_| Ok(())),
             stopping: Arc::new(AtomicBool::new(false)),
+            unwatched: Unwatched::default(),
         }
     }
 
@@ -594,8 +696,14 @@ mod tests {
             matches!(&out[0], WatchEvent::Rescan { reason } if reason.contains("max_user_watches")),
             "{out:?}"
         );
-        // Still lists what is there.
+        // Still lists what is there, and keeps the folder for a retry.
         assert_eq!(out[1..], [touch("L/a.wav", TouchKind::Found)]);
+        let unwatched = tr.unwatched.lock().unwrap();
+        assert_eq!(
+            unwatched.keys().cloned().collect::<Vec<_>>(),
+            [root.path().join("L")]
+        );
+        assert!(unwatched[&root.path().join("L")].contains("max_user_watches"));
     }
 
     #[test]

@@ -23,14 +23,31 @@ impl Service {
         s
     }
 
+    /// Start `run` under a wrapper command (`sh -c '...; exec "$@"' sh`, say), and wait until
+    /// it is up.
+    pub fn start_under(world: &World, wrapper: &[&str]) -> Service {
+        let inner = world.cmd(&["--verbose", "run"]);
+        let mut cmd = std::process::Command::new(wrapper[0]);
+        cmd.args(&wrapper[1..])
+            .arg(inner.get_program())
+            .args(inner.get_args())
+            .env_remove("AILHD_CONFIG");
+        let s = Service::spawn_cmd(world, cmd);
+        s.wait("service up", |st| st["service"].is_object());
+        s
+    }
+
     /// Start `run` without waiting for anything.
     pub fn spawn(world: &World) -> Service {
+        Service::spawn_cmd(world, world.cmd(&["--verbose", "run"]))
+    }
+
+    fn spawn_cmd(world: &World, mut cmd: std::process::Command) -> Service {
         // A snapshot left by an earlier (killed) run must not pass for this one's.
         let _ = std::fs::remove_file(world.state().join("status.json"));
         let n = std::fs::read_dir(world.dir.path()).unwrap().count();
         let log = world.dir.path().join(format!("run-{n}.log"));
-        let child = world
-            .cmd(&["--verbose", "run"])
+        let child = cmd
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
