@@ -15,7 +15,7 @@ use crate::engine::outcome::{Observation, Reason};
 use crate::engine::{Done, Engine, Input, Reconciliation};
 use crate::lock::WriterLocks;
 use crate::source::settle::{PendingFile, Settled, Settler};
-use crate::source::watch::{WatchEvent, Watcher};
+use crate::source::watch::{TouchKind, WatchEvent, Watcher};
 use crate::source::{self, Found};
 use crate::status::{self, ServiceStatus};
 use anyhow::Context;
@@ -182,6 +182,12 @@ pub async fn serve(
                         Some(Found::Recording(_)) => {
                             if kind.is_strong() {
                                 strong_at.insert(path.clone(), now);
+                            }
+                            // A file moved in while a removal is held is likely the other half
+                            // of a move: hold the removal until it has settled, so both reach
+                            // the engine in one batch.
+                            if kind == TouchKind::MovedIn && !gone.is_empty() {
+                                gone_due = Some(now + GONE_HOLD + 2 * Duration::from_millis(settings.ingest.settle_ms));
                             }
                             settler.note(&path, kind.is_strong(), now);
                         }
