@@ -20,7 +20,8 @@ How it reads, and why:
 - A batch is gathered with `np.take` into an output array that is reused once nothing refers to
   it any more (`_Outputs`): a fresh 57 MB array costs the kernel's zeroing of its pages, as much
   as the gather itself. HDF5 rows are gathered the same way when every row's offset is a multiple
-  of a block size (the writer aligns chunks); otherwise by fancy indexing a byte view.
+  of a block of >= 256 bytes (a writer that aligns its chunks; ailhd does not today); otherwise
+  by fancy indexing a byte view into a new array.
 
 Known limit: rows never move or disappear, except when the service, restarting after a crash,
 takes back rows committed to the outputs but not to its own records. A process still reading a
