@@ -17,6 +17,11 @@ How it reads, and why:
   chunk), and each refresh checks a few rows against h5py's own reads; otherwise rows are read
   through h5py (sorted, runs of consecutive rows in one call, chunk cache off for unfiltered
   chunks so that a row costs a row and not a chunk).
+- A batch is gathered with `np.take` into an output array that is reused once nothing refers to
+  it any more (`_Outputs`): a fresh 57 MB array costs the kernel's zeroing of its pages, as much
+  as the gather itself. HDF5 rows are gathered the same way when every row's offset is a multiple
+  of a block of >= 256 bytes (a writer that aligns its chunks; ailhd does not today); otherwise
+  by fancy indexing a byte view into a new array.
 
 Known limit: rows never move or disappear, except when the service, restarting after a crash,
 takes back rows committed to the outputs but not to its own records. A process still reading a
@@ -29,6 +34,8 @@ import io
 import json
 import mmap
 import os
+import sys
+import threading
 import time
 import warnings
 
@@ -111,6 +118,7 @@ class LiveDataset:
         self._rows = np.empty(0, np.int64)
         self._targets = np.empty(0, np.int64)
         self._offsets = None  # HDF5 direct reads: file offset of each visible row
+        self._block = 0  # ... and the block size they are all multiples of (offsets_block)
         self._labels = []
         self._row_shape = None
         self._committed = 0
@@ -219,8 +227,11 @@ class LiveDataset:
         self._targets = snap["label_ids"][rows].astype(np.int64)
         self._rows = rows
         self._offsets = None
+        self._block = 0
         if self.source == "hdf5" and self._direct_allowed:
             self._offsets = self._hdf5_offsets(files, rows)
+            if self._offsets is not None:
+                self._block = offsets_block(self._offsets, files.row_bytes())
         self._files = files
         self._pid = os.getpid()
         return int(np.setdiff1d(rows, old, assume_unique=True).size)
@@ -267,7 +278,7 @@ class LiveDataset:
         if self.source == "npy":
             return files.gather_rows(self._rows[idx], self._committed)
         if self._offsets is not None:
-            return files.gather_offsets(self._offsets[idx], self._row_shape)
+            return files.gather_offsets(self._offsets[idx], self._row_shape, self._block)
         return files.read_rows(self._rows[idx])
 
     def _hdf5_offsets(self, files, rows):
@@ -328,6 +339,62 @@ def _byte_rows(m, row_bytes):
         buf, shape=(max(0, len(buf) - row_bytes + 1), row_bytes), strides=(1, 1), writeable=False)
 
 
+def _refs(items, k):
+    return sys.getrefcount(items[k])
+
+
+#: What `_refs` says of an array held by a list and by nothing else (measured, not assumed: it
+#: differs between Python versions).
+_FREE_REFS = _refs([np.empty(1)], 0)
+#: Free-threaded Python: a count taken while another thread makes a view could be stale.
+_CAN_REUSE = getattr(sys, "_is_gil_enabled", lambda: True)()
+
+
+def _take(src, idx, out):
+    """`out[k] = src[idx[k]]` along the first axis, for indices the caller has checked (mode
+    "clip": with "raise", numpy gathers into a temporary and copies it, 2x slower). Splitting
+    the gather over two threads did not help on the 2-vCPU machine the benchmark ran on: it is
+    bound by memory bandwidth."""
+    np.take(src, idx, axis=0, mode="clip", out=out)
+
+
+class _Outputs:
+    """Output arrays for batches, reused once nothing refers to them any more.
+
+    A batch's features are a view of one of a few buffers kept here. Every view, and every
+    object that borrows the memory (a torch tensor from `torch.from_numpy`, a memoryview), holds
+    a reference to the buffer, so a buffer whose reference count is back to the pool's own
+    reference is no longer seen by anyone and can be written again. A buffer still in use is
+    never written: a new one is made (and the pool forgets the oldest, which lives on with its
+    users). Reusing matters because a fresh array of a batch's size (57 MB) costs the kernel
+    zeroing and mapping its pages, about as long as gathering the rows (benches/reader.py)."""
+
+    KEEP = 2
+    MIN_BYTES = 64 << 10  # smaller outputs (a single row) are plain new arrays
+
+    def __init__(self):
+        self._bufs = []
+        self._lock = threading.Lock()
+
+    def array(self, shape, dtype=np.float16):
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes < self.MIN_BYTES or not _CAN_REUSE:
+            return np.empty(shape, dtype)
+        with self._lock:  # two threads must not both take the same free buffer
+            bufs = self._bufs
+            for k in range(len(bufs)):
+                if bufs[k].nbytes >= nbytes and _refs(bufs, k) <= _FREE_REFS:
+                    buf = bufs[k]
+                    break
+            else:
+                buf = np.empty(nbytes, np.uint8)
+                if len(bufs) >= self.KEEP:
+                    del bufs[0]
+                bufs.append(buf)
+            return buf[:nbytes].view(dtype).reshape(shape)
+
+
 class _Hdf5Files:
     """One process's view of a split's HDF5 file: an h5py SWMR handle and a map of the file."""
 
@@ -339,6 +406,8 @@ class _Hdf5Files:
         self.f = _open_h5(h5py, path)
         self.map = None
         self.view = None
+        self.blocks = None
+        self.outputs = _Outputs()
         self._ident = None
 
     def identity(self):
@@ -349,6 +418,7 @@ class _Hdf5Files:
 
     def close(self):
         self.view = None
+        self.blocks = None
         if self.map is not None:
             try:
                 self.map.close()
@@ -460,22 +530,40 @@ class _Hdf5Files:
             return "a chunk lies past the end of the file"
         self.view = _byte_rows(self.map, rb)
         probe = np.unique(np.array([0, rows.size // 2, rows.size - 1]))
-        raw = self.gather_offsets(offs[probe], row_shape)
         ref = self.f["segments_mel"][np.sort(rows[probe])]
-        if not np.array_equal(raw.view(np.uint16), ref.view(np.uint16)):
-            self.view = None
-            return "raw chunk bytes differ from h5py's reads"
+        for block in {0, offsets_block(offs, rb)}:
+            raw = self.gather_offsets(offs[probe], row_shape, block)
+            if not np.array_equal(raw.view(np.uint16), ref.view(np.uint16)):
+                self.view = None
+                return "raw chunk bytes differ from h5py's reads"
         return None
 
-    def gather_offsets(self, offs, row_shape):
+    def gather_offsets(self, offs, row_shape, block=0):
+        """Rows at these file offsets. `block` (from `offsets_block`, 0 for none): every offset
+        and the row size are multiples of it, so the file is an array of blocks and rows are
+        runs of whole blocks, gathered by `np.take` into a reused output; otherwise by fancy
+        indexing a byte view of the file (a new array)."""
+        rb = self.row_bytes()
         if self.view is None:  # a worker: map the file now
-            rb = self.row_bytes()
             self.map, ident = _map_file(self.path)
-            if self.map is None or int(offs.max()) + rb > len(self.map):
-                raise OutputsReplaced(f"{self.path}: shorter than this dataset's snapshot; "
-                                      "call refresh()")
+            if self.map is None:
+                raise OutputsReplaced(f"{self.path}: empty; call refresh()")
             self.view = _byte_rows(self.map, rb)
-        return self.view[offs].view("<f2").reshape((len(offs),) + tuple(row_shape))
+        if int(offs.max()) + rb > len(self.map):
+            raise OutputsReplaced(f"{self.path}: shorter than this dataset's snapshot; "
+                                  "call refresh()")
+        shape = (len(offs),) + tuple(row_shape)
+        if not block:
+            return self.view[offs].view("<f2").reshape(shape)
+        if self.blocks is None or self.blocks.shape[1] != block:
+            buf = np.frombuffer(self.map, np.uint8)
+            self.blocks = buf[: len(buf) // block * block].reshape(-1, block)
+        per_row = rb // block
+        idx = (offs // block)[:, None] + np.arange(per_row)
+        out = self.outputs.array(shape)
+        _take(self.blocks, idx.reshape(-1),
+              out.reshape(len(offs), -1).view(np.uint8).reshape(-1, block))
+        return out
 
     # Reads through h5py.
 
@@ -495,7 +583,6 @@ class _Hdf5Files:
             # the whole destination each time.)
             out[order[a:b]] = mel[r:r + (b - a)]
         return out
-        return out
 
     def meta(self, row):
         out = {}
@@ -504,6 +591,15 @@ class _Hdf5Files:
             _refresh(d)
             out[c] = d[row]
         return out
+
+
+def offsets_block(offs, row_bytes, smallest=256):
+    """The largest block size that divides the row size and every row offset, or 0 when that is
+    below `smallest` bytes (rows would be too many small copies: fancy indexing is faster)."""
+    if len(offs) == 0:
+        return 0
+    g = int(np.gcd.reduce(np.append(offs, row_bytes).astype(np.int64)))
+    return g if g >= smallest else 0
 
 
 def _refresh(dset):
@@ -607,6 +703,7 @@ class _NpyFiles:
             raise FileNotFoundError(f"{path}: no such folder (is outputs.npy on, and is this "
                                     "ailhd's paths.output? source='hdf5' reads the HDF5 files)")
         self.cols = {}
+        self.outputs = _Outputs()
 
     def col(self, name):
         c = self.cols.get(name)
@@ -648,7 +745,9 @@ class _NpyFiles:
         if mel.rows < committed:
             raise OutputsReplaced(f"{mel.path}: holds {mel.rows} rows, fewer than this "
                                   f"dataset's snapshot ({committed}); call refresh()")
-        return mel.array[rows]
+        out = self.outputs.array((len(rows),) + mel.row_shape, mel.dtype)
+        _take(mel.array.reshape(mel.rows, -1), rows, out.reshape(len(rows), -1))
+        return out
 
     def meta(self, row):
         out = {}

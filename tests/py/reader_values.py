@@ -1,7 +1,7 @@
 """ailhd_reader on the outputs of `ailhd rebuild`: every split, both sources, equal to h5py's raw
 reads; then on copies made to look like a writer caught mid-commit (rows past committed_rows,
 rows set invalid) that only refresh() may reveal; pickling and worker processes (fork, spawn);
-a replaced output.
+a replaced output; batch output buffers reused only when free; HDF5 chunks aligned to rows.
 usage: reader_values.py OUTPUT_DIR SCRATCH_DIR"""
 
 import json
@@ -226,6 +226,67 @@ def replaced(out, scratch, rng):
         check_dataset(ds, h5_truth(d, "training"), f"{source} after replacement", rng, full=False)
 
 
+def reused_outputs(ds, t, what, rng):
+    """Batches gathered into reused buffers (npy; HDF5 read by whole blocks): a batch, a row of
+    it or a memoryview of it still referred to is never written again; one let go is reused."""
+    row_bytes = int(np.prod(ds[0][0].shape)) * 2
+    size = max(8, (1 << 17) // row_bytes)  # above the size below which outputs are not reused
+
+    def batch():
+        idx = rng.choice(len(ds), size)
+        return ds.__getitems__(idx), t["segments_mel"][t["visible"][idx]]
+
+    (b1, w1), (b2, w2) = batch(), batch()
+    if np.shares_memory(b1.features, b2.features):
+        fail(f"{what}: two batches held at once share memory")
+    row, view = b1[1][0], memoryview(b2.features)
+    del b1, b2
+    later = [batch() for _ in range(4)]
+    if not same_bits(row, w1[1]) or not same_bits(np.asarray(view), w2):
+        fail(f"{what}: a row or a memoryview still held was overwritten by later batches")
+    for b, w in later:
+        if not same_bits(b.features, w):
+            fail(f"{what}: a held batch was overwritten")
+    addrs = {b.features.ctypes.data for b, _ in later}
+    del later, b, w
+    b, w = batch()
+    if b.features.ctypes.data not in addrs or not same_bits(b.features, w):
+        fail(f"{what}: a batch no longer referred to was not reused (or read wrong)")
+    print(f"{what}: batch outputs reused only once nothing refers to them")
+
+
+def copy_aligned(src, dst, align):
+    """src's datasets, rewritten by h5py with chunks at multiples of `align` bytes."""
+    with h5py.File(src, "r", libver="latest", swmr=True, locking=False) as f, h5py.File(
+            dst, "w", libver=("v110", "v110"), alignment_threshold=1,
+            alignment_interval=align) as g:
+        for name, d in f.items():
+            if d.chunks is None:
+                g.create_dataset(name, data=d[:])
+            else:
+                g.create_dataset(name, data=d[:], chunks=d.chunks, maxshape=d.maxshape)
+        for k, v in f.attrs.items():
+            g.attrs[k] = v
+
+
+def aligned_hdf5(out, scratch, rng):
+    """A file whose chunks lie at multiples of the row size is read by whole rows (np.take from
+    the file as an array of blocks) and gives the same rows."""
+    d = os.path.join(scratch, "aligned")
+    os.makedirs(d)
+    src = os.path.join(out, SPLIT_FILES["training"])
+    t = h5_truth(out, "training")
+    row_bytes = int(np.prod(t["segments_mel"].shape[1:])) * 2
+    in_child(copy_aligned, src, os.path.join(d, SPLIT_FILES["training"]), row_bytes)
+    ds = LiveDataset(d, "training", "hdf5")
+    if ds._block != row_bytes:
+        fail(f"aligned copy: rows read in blocks of {ds._block}, expected whole rows ({row_bytes})")
+    t = h5_truth(d, "training")
+    check_dataset(ds, t, "hdf5 aligned copy", rng)
+    reused_outputs(ds, t, "hdf5 aligned copy", rng)
+    print("hdf5 with chunks aligned to the row size: read by whole rows, same values")
+
+
 def main():
     out, scratch = sys.argv[1], sys.argv[2]
     rng = np.random.default_rng(7)
@@ -234,6 +295,8 @@ def main():
     mid_commit_hdf5(out, scratch, rng)
     mid_commit_npy(out, scratch, rng)
     replaced(out, scratch, rng)
+    reused_outputs(LiveDataset(out, "training", "npy"), h5_truth(out, "training"), "npy", rng)
+    aligned_hdf5(out, scratch, rng)
     for bad, kw in (("nowhere", {}), (out, {"split": "train"}), (out, {"source": "zarr"})):
         try:
             LiveDataset(bad, **kw)
