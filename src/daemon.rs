@@ -453,6 +453,7 @@ impl Worker {
     /// Writing failed: drop what is in flight (nothing of it was recorded, the outputs are cut
     /// back to their committed rows), report, and retry later.
     fn fail(&mut self, e: anyhow::Error) {
+        let first = self.fault.is_none();
         if let Some(engine) = self.engine.take() {
             self.warm = engine.abandon();
         }
@@ -460,13 +461,20 @@ impl Worker {
         self.failures += 1;
         let wait = Self::backoff(self.failures);
         let error = format!("{e:#}");
-        log::error!(
-            "writing failed, nothing of the batch was recorded: {error}; the service stays up and tries again in {} s",
-            wait.as_secs()
-        );
-        crate::metrics::error("write");
-        crate::metrics::write_failing(true);
-        self.recent.push_error(format!("writing: {error}"));
+        if first {
+            log::error!(
+                "writing failed, nothing of the batch was recorded: {error}; the service stays up and tries again in {} s",
+                wait.as_secs()
+            );
+            crate::metrics::error("write");
+            crate::metrics::write_failing(true);
+            self.recent.push_error(format!("writing: {error}"));
+        } else {
+            log::warn!(
+                "writing still fails: {error}; next try in {} s",
+                wait.as_secs()
+            );
+        }
         let since_ms = self.fault.as_ref().map_or(now_ms(), |f| f.since_ms);
         *self.shared.fault.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
         self.fault = Some(Fault {
@@ -496,25 +504,7 @@ impl Worker {
                 let _ = self.report.send(Report::Reconciled(r));
                 self.dirty = true;
             }
-            Err(e) => {
-                if let Some(engine) = self.engine.take() {
-                    self.warm = engine.abandon();
-                }
-                crate::metrics::outputs_open(false);
-                self.failures += 1;
-                let wait = Self::backoff(self.failures);
-                let error = format!("{e:#}");
-                log::warn!(
-                    "writing still fails: {error}; next try in {} s",
-                    wait.as_secs()
-                );
-                *self.shared.fault.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
-                let f = self.fault.as_mut().expect("retrying a fault");
-                f.error = error;
-                f.retry_at = Instant::now() + wait;
-                self.dirty = true;
-                self.snapshot();
-            }
+            Err(e) => self.fail(e),
         }
     }
 
