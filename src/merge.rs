@@ -24,6 +24,7 @@
 use crate::config::{FeatureSettings, HdfNames, SPLITS};
 use crate::output::hdf5::read_text_attr;
 use crate::output::npy::NpySink;
+use crate::output::read::{read_rows, Id};
 use crate::output::{label2id_json, labels_json, OutputHeader, RowMeta, SplitSink};
 use crate::output::{ID_BYTES, OUTPUT_SCHEMA_VERSION};
 use anyhow::{bail, Context, Result};
@@ -32,13 +33,11 @@ use hdf5::file::{FileAccess, LibraryVersion, OpenMode};
 use hdf5::plist::DatasetCreate;
 use hdf5::types::{TypeDescriptor, VarLenUnicode};
 use hdf5::{Dataset, File, Hyperslab, Selection, SliceOrIndex};
-use hdf5_sys::h5d::{H5Dget_space, H5Dget_type, H5Dread};
-use hdf5_sys::h5i::hid_t;
+use hdf5_sys::h5d::H5Dget_type;
 use hdf5_sys::h5p::H5P_DEFAULT;
-use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab};
 use hdf5_sys::h5t::H5Tclose;
 use std::collections::HashMap;
-use std::ffi::{c_int, c_void};
+use std::ffi::c_void;
 use std::path::{Component, Path, PathBuf};
 
 /// The marker and provenance file of a merged folder.
@@ -823,50 +822,6 @@ fn read_source_path(path: &Path, row: u64) -> Result<String> {
     Ok(String::from_utf8_lossy(&bytes[..end]).into_owned())
 }
 
-/// Rows `first..first + rows` of `ds` as the bytes of its own element type (no conversion).
-fn read_rows(ds: &Dataset, first: u64, rows: u64) -> Result<Vec<u8>> {
-    let row_dims: Vec<u64> = ds.shape()[1..].iter().map(|&d| d as u64).collect();
-    let mut start = vec![first];
-    start.extend(row_dims.iter().map(|_| 0));
-    let mut count = vec![rows];
-    count.extend(&row_dims);
-    let elements: u64 = count.iter().product();
-    if elements == 0 {
-        return Ok(Vec::new());
-    }
-    hdf5::sync::sync(|| unsafe {
-        let dtype = Id(hdf5::h5check(H5Dget_type(ds.id()))?, H5Tclose);
-        let size = hdf5_sys::h5t::H5Tget_size(dtype.0);
-        let mut buf = vec![0u8; size * elements as usize];
-        let file_space = Id(hdf5::h5check(H5Dget_space(ds.id()))?, H5Sclose);
-        hdf5::h5check(H5Sselect_hyperslab(
-            file_space.0,
-            H5S_seloper_t::H5S_SELECT_SET,
-            start.as_ptr(),
-            std::ptr::null(),
-            count.as_ptr(),
-            std::ptr::null(),
-        ))?;
-        let mem_space = Id(
-            hdf5::h5check(H5Screate_simple(
-                count.len() as c_int,
-                count.as_ptr(),
-                std::ptr::null(),
-            ))?,
-            H5Sclose,
-        );
-        hdf5::h5check(H5Dread(
-            ds.id(),
-            dtype.0,
-            mem_space.0,
-            file_space.0,
-            H5P_DEFAULT,
-            buf.as_mut_ptr() as *mut c_void,
-        ))?;
-        Ok(buf)
-    })
-}
-
 /// Write the whole of `ds` from `bytes` (its own element type).
 fn write_all(ds: &Dataset, bytes: &[u8]) -> Result<()> {
     hdf5::sync::sync(|| unsafe {
@@ -889,17 +844,6 @@ fn write_all(ds: &Dataset, bytes: &[u8]) -> Result<()> {
         ))?;
         Ok(())
     })
-}
-
-/// An HDF5 id closed on drop by its close function.
-struct Id(hid_t, unsafe extern "C" fn(hid_t) -> hdf5_sys::h5::herr_t);
-
-impl Drop for Id {
-    fn drop(&mut self) {
-        unsafe {
-            (self.1)(self.0);
-        }
-    }
 }
 
 /// Human summary of a merge (stdout of `merge`).

@@ -15,11 +15,13 @@ use anyhow::{bail, Context, Result};
 use hdf5::file::FileAccess;
 use hdf5::types::TypeDescriptor;
 use hdf5::{Dataset, File};
-use hdf5_sys::h5d::{H5Dget_space, H5Dread, H5Drefresh};
+use hdf5_sys::h5d::{H5Dget_space, H5Dget_type, H5Dread, H5Drefresh};
 use hdf5_sys::h5f::{H5Fopen, H5F_ACC_RDONLY, H5F_ACC_SWMR_READ};
+use hdf5_sys::h5i::hid_t;
 use hdf5_sys::h5p::H5P_DEFAULT;
 use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab};
-use std::ffi::{c_void, CString};
+use hdf5_sys::h5t::H5Tclose;
+use std::ffi::{c_int, c_void, CString};
 use std::path::{Path, PathBuf};
 
 /// The committed rows of one split.
@@ -200,14 +202,16 @@ impl SwmrSplit {
 
     /// Rows `range` of a fixed-length string column (`recording_id`, `source_path`...).
     pub fn read_strings(&self, name: &str, range: std::ops::Range<u64>) -> Result<Vec<String>> {
-        let (width, bytes) = self.read_bytes(name, range)?;
-        match self.dataset(name)?.dtype()?.to_descriptor()? {
-            TypeDescriptor::FixedUnicode(_) | TypeDescriptor::FixedAscii(_) => {}
+        let ds = self.dataset(name)?;
+        let width = match ds.dtype()?.to_descriptor()? {
+            TypeDescriptor::FixedUnicode(n) | TypeDescriptor::FixedAscii(n) => n,
             other => bail!(
                 "{}: {name} is {other:?}, not a fixed-length string",
                 self.path.display()
             ),
-        }
+        };
+        let bytes = read_rows(&ds, range.start, range.end.saturating_sub(range.start))
+            .with_context(|| format!("{}: reading {name} rows {range:?}", self.path.display()))?;
         Ok(bytes.chunks(width.max(1)).map(nul_trimmed).collect())
     }
 
@@ -215,54 +219,68 @@ impl SwmrSplit {
     /// numbers, NUL-padded strings): the bytes of one row, and all of them in row order.
     pub fn read_bytes(&self, name: &str, range: std::ops::Range<u64>) -> Result<(usize, Vec<u8>)> {
         let ds = self.dataset(name)?;
-        let dtype = ds.dtype()?;
-        let shape: Vec<u64> = ds.shape().iter().map(|&d| d as u64).collect();
-        let row_bytes = dtype.size() * shape[1..].iter().product::<u64>() as usize;
-        let count = range.end.saturating_sub(range.start);
-        if count == 0 {
-            return Ok((row_bytes, Vec::new()));
+        let row_bytes = ds.dtype()?.size() * ds.shape()[1..].iter().product::<usize>();
+        let bytes = read_rows(&ds, range.start, range.end.saturating_sub(range.start))
+            .with_context(|| format!("{}: reading {name} rows {range:?}", self.path.display()))?;
+        Ok((row_bytes, bytes))
+    }
+}
+
+/// Rows `first..first + rows` of `ds` as the bytes of its own element type (no conversion).
+pub fn read_rows(ds: &Dataset, first: u64, rows: u64) -> Result<Vec<u8>> {
+    let row_dims: Vec<u64> = ds.shape()[1..].iter().map(|&d| d as u64).collect();
+    let mut start = vec![first];
+    start.extend(row_dims.iter().map(|_| 0));
+    let mut count = vec![rows];
+    count.extend(&row_dims);
+    let elements: u64 = count.iter().product();
+    if elements == 0 {
+        return Ok(Vec::new());
+    }
+    hdf5::sync::sync(|| unsafe {
+        let dtype = Id(hdf5::h5check(H5Dget_type(ds.id()))?, H5Tclose);
+        let size = hdf5_sys::h5t::H5Tget_size(dtype.0);
+        let mut buf = vec![0u8; size * elements as usize];
+        let file_space = Id(hdf5::h5check(H5Dget_space(ds.id()))?, H5Sclose);
+        hdf5::h5check(H5Sselect_hyperslab(
+            file_space.0,
+            H5S_seloper_t::H5S_SELECT_SET,
+            start.as_ptr(),
+            std::ptr::null(),
+            count.as_ptr(),
+            std::ptr::null(),
+        ))?;
+        let mem_space = Id(
+            hdf5::h5check(H5Screate_simple(
+                count.len() as c_int,
+                count.as_ptr(),
+                std::ptr::null(),
+            ))?,
+            H5Sclose,
+        );
+        hdf5::h5check(H5Dread(
+            ds.id(),
+            dtype.0,
+            mem_space.0,
+            file_space.0,
+            H5P_DEFAULT,
+            buf.as_mut_ptr() as *mut c_void,
+        ))?;
+        Ok(buf)
+    })
+}
+
+/// An HDF5 id closed on drop by its close function.
+pub(crate) struct Id(
+    pub hid_t,
+    pub unsafe extern "C" fn(hid_t) -> hdf5_sys::h5::herr_t,
+);
+
+impl Drop for Id {
+    fn drop(&mut self) {
+        unsafe {
+            (self.1)(self.0);
         }
-        let mut buf = vec![0u8; row_bytes * count as usize];
-        let mut start = vec![0u64; shape.len()];
-        start[0] = range.start;
-        let mut n = shape.clone();
-        n[0] = count;
-        hdf5::sync::sync(|| unsafe {
-            let fspace = hdf5::h5check(H5Dget_space(ds.id()))?;
-            let picked = hdf5::h5check(H5Sselect_hyperslab(
-                fspace,
-                H5S_seloper_t::H5S_SELECT_SET,
-                start.as_ptr(),
-                std::ptr::null(),
-                n.as_ptr(),
-                std::ptr::null(),
-            ));
-            let mspace = hdf5::h5check(H5Screate_simple(
-                n.len() as i32,
-                n.as_ptr(),
-                std::ptr::null(),
-            ));
-            let read = match (picked, &mspace) {
-                (Ok(_), Ok(m)) => hdf5::h5check(H5Dread(
-                    ds.id(),
-                    dtype.id(),
-                    *m,
-                    fspace,
-                    H5P_DEFAULT,
-                    buf.as_mut_ptr() as *mut c_void,
-                ))
-                .map(|_| ()),
-                (Err(e), _) => Err(e),
-                (_, Err(e)) => Err(e.clone()),
-            };
-            if let Ok(m) = mspace {
-                H5Sclose(m);
-            }
-            H5Sclose(fspace);
-            read
-        })
-        .with_context(|| format!("{}: reading {name} rows {range:?}", self.path.display()))?;
-        Ok((row_bytes, buf))
     }
 }
 
