@@ -7,7 +7,6 @@ use common::service::*;
 use common::*;
 use std::io::Write;
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 const FAST: &str = "[ingest]\nsettle_ms = 100\nquarantine_after_s = 2\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n";
@@ -19,15 +18,7 @@ fn ingests_every_kind_of_arrival_and_survives_a_restart() {
     std::fs::create_dir_all(rec.join("LEAK")).unwrap();
     let svc = Service::start(&world);
     std::fs::create_dir_all(world.out()).unwrap();
-    let stop = world.dir.path().join("stop-reader");
-    let reader = std::process::Command::new("python3")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/swmr_reader.py"))
-        .arg(world.out())
-        .arg(&stop)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let reader = PyReader::start(&world, "swmr_reader.py");
 
     // cp
     std::fs::copy(
@@ -129,14 +120,7 @@ fn ingests_every_kind_of_arrival_and_survives_a_restart() {
         committed(s) == 4 && rows == 5 && valid == 3
     });
     let log = svc.terminate();
-    std::fs::write(&stop, b"").unwrap();
-    let r = reader.wait_with_output().unwrap();
-    assert!(
-        r.status.success(),
-        "SWMR reader failed:\n{}{}",
-        String::from_utf8_lossy(&r.stdout),
-        String::from_utf8_lossy(&r.stderr)
-    );
+    reader.finish();
     assert!(log.contains("quarantined"), "{log}");
     compare_with_rebuild(&world);
 
@@ -365,15 +349,7 @@ fn a_lost_state_is_rebuilt_from_the_outputs_and_no_row_moves() {
 
     // A trainer keeps reading by row number while the state folder is lost and the service
     // starts again.
-    let stop = world.dir.path().join("stop-reader");
-    let reader = std::process::Command::new("python3")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/rows_keep.py"))
-        .arg(world.out())
-        .arg(&stop)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let reader = PyReader::start(&world, "rows_keep.py");
     std::thread::sleep(Duration::from_millis(300));
     std::fs::remove_dir_all(world.state()).unwrap();
     let svc = Service::start(&world);
@@ -407,14 +383,7 @@ fn a_lost_state_is_rebuilt_from_the_outputs_and_no_row_moves() {
             .sum();
         committed(s) == 9 && valid == 9
     });
-    std::fs::write(&stop, b"").unwrap();
-    let out = reader.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "the reader saw rows move or vanish:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    reader.finish();
     svc.terminate();
 
     let after = all_rows(&world);

@@ -8,7 +8,7 @@ use common::service::*;
 use common::*;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 const FAST: &str = "[ingest]\nsettle_ms = 100\nquarantine_after_s = 2\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n";
@@ -67,29 +67,6 @@ fn fill(dir: &Path) -> PathBuf {
     path
 }
 
-fn swmr_reader(world: &World, stop: &Path) -> Child {
-    Command::new("python3")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/swmr_reader.py"))
-        .arg(world.out())
-        .arg(stop)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-fn reader_done(child: Child, stop: &Path) -> String {
-    std::fs::write(stop, b"").unwrap();
-    let out = child.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "the SWMR reader failed:\n{text}");
-    text
-}
-
 #[test]
 fn a_full_output_disk_is_ridden_out_and_nothing_is_lost_or_torn() {
     let world = World::new(&format!(
@@ -101,8 +78,7 @@ fn a_full_output_disk_is_ridden_out_and_nothing_is_lost_or_torn() {
     add(&world, 0..4);
     let svc = Service::start(&world);
     svc.wait("4 files committed", |s| committed(s) == 4);
-    let stop = world.dir.path().join("stop-reader");
-    let reader = swmr_reader(&world, &stop);
+    let reader = PyReader::start(&world, "swmr_reader.py");
 
     let filler = fill(&world.out());
     add(&world, 4..7);
@@ -141,7 +117,7 @@ fn a_full_output_disk_is_ridden_out_and_nothing_is_lost_or_torn() {
         .status()
         .unwrap();
     assert!(child_alive.success());
-    let out = reader_done(reader, &stop);
+    let out = reader.finish();
     println!("{out}");
     let log = svc.terminate();
     assert!(log.contains("writing works again"), "{log}");
@@ -194,8 +170,7 @@ fn idle_files_are_closed_for_plain_readers_and_reopened_under_a_swmr_reader() {
     add(&world, 0..3);
     let svc = Service::start(&world);
     svc.wait("3 files committed", |s| committed(s) == 3);
-    let stop = world.dir.path().join("stop-reader");
-    let reader = swmr_reader(&world, &stop);
+    let reader = PyReader::start(&world, "swmr_reader.py");
     svc.wait("closed while idle", |s| {
         s["service"]["outputs_open"] == false && s["service"]["write_failing"].is_null()
     });
@@ -206,7 +181,7 @@ fn idle_files_are_closed_for_plain_readers_and_reopened_under_a_swmr_reader() {
     add(&world, 3..5);
     svc.wait("5 files committed", |s| committed(s) == 5);
     svc.wait("closed again", |s| s["service"]["outputs_open"] == false);
-    let out = reader_done(reader, &stop);
+    let out = reader.finish();
     assert!(out.contains("final committed rows: 5"), "{out}");
     // A kill while idle leaves files any reader opens.
     svc.kill9();

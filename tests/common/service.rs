@@ -204,3 +204,48 @@ pub fn compare_with_rebuild(world: &World) {
     std::fs::write(&p, serde_json::to_vec(&spec).unwrap()).unwrap();
     println!("{}", python("compare_rows.py", &[p.to_str().unwrap()]));
 }
+
+/// A Python reader from tests/py (`swmr_reader.py`, `rows_keep.py`) following the outputs until
+/// it is told to stop; it fails on anything a reader must never see.
+pub struct PyReader {
+    child: Child,
+    script: &'static str,
+    stop: PathBuf,
+}
+
+impl PyReader {
+    /// Start `script OUTPUT_DIR STOPFILE`.
+    pub fn start(world: &World, script: &'static str) -> PyReader {
+        let stop = world.dir.path().join(format!("stop-{script}"));
+        let child = std::process::Command::new("python3")
+            .arg(
+                Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("tests/py")
+                    .join(script),
+            )
+            .arg(world.out())
+            .arg(&stop)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        PyReader {
+            child,
+            script,
+            stop,
+        }
+    }
+
+    /// Tell it to stop; it must exit 0. Returns what it printed.
+    pub fn finish(self) -> String {
+        std::fs::write(&self.stop, b"").unwrap();
+        let out = self.child.wait_with_output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{} failed:\n{text}", self.script);
+        text
+    }
+}
