@@ -5,39 +5,13 @@
 
 mod common;
 use common::*;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 const FAST: &str = "[ingest]\nsettle_ms = 100\nquarantine_after_s = 2\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n";
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Run tests/py/SCRIPT with the package from python/ (not an installed copy) importable.
-fn reader_script(script: &str, args: &[&Path]) -> String {
-    // python/ first, then whatever the caller had (e.g. where torch is installed).
-    let mut paths = vec![repo().join("python"), repo().join("tests/py")];
-    if let Some(p) = std::env::var_os("PYTHONPATH") {
-        paths.extend(std::env::split_paths(&p));
-    }
-    let pythonpath = std::env::join_paths(paths).unwrap();
-    let out = Command::new("python3")
-        .arg(repo().join("tests/py").join(script))
-        .args(args)
-        .env("PYTHONPATH", pythonpath)
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .env_remove("AILHD_CONFIG")
-        .output()
-        .expect("python3 is needed for the reader tests (. .ci/setup installs numpy and h5py)");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "{script} failed:\n{text}");
-    println!("{text}");
-    text
 }
 
 #[test]
@@ -51,7 +25,8 @@ fn reader_serves_what_h5py_reads_on_a_rebuild() {
     ok(&world.run(&["rebuild"]));
     let scratch = world.dir.path().join("scratch");
     std::fs::create_dir_all(&scratch).unwrap();
-    let text = reader_script("reader_values.py", &[&world.out(), &scratch]);
+    let text = python("reader_values.py", &[&world.out(), &scratch]);
+    println!("{text}");
     assert!(text.contains("reader_values: OK"), "{text}");
 }
 
@@ -70,7 +45,7 @@ fn reader_follows_the_running_service() {
         std::fs::create_dir_all(world.rec().join(rel).parent().unwrap()).unwrap();
         std::fs::rename(f, world.rec().join(rel)).unwrap();
     }
-    let text = reader_script(
+    let text = python(
         "reader_live.py",
         &[
             &bin(),
@@ -81,6 +56,7 @@ fn reader_follows_the_running_service() {
             &world.state(),
         ],
     );
+    println!("{text}");
     assert!(text.contains("reader_live: OK"), "{text}");
 }
 

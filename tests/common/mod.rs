@@ -128,14 +128,21 @@ pub fn copy_fixture(name: &str, to: &Path) {
     std::fs::copy(fixtures().join("wav").join(format!("{name}.wav")), to).unwrap();
 }
 
-/// Run a Python checker from tests/py with arguments; panics with its output on failure.
-pub fn python(script: &str, args: &[&str]) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/py")
-        .join(script);
+/// Run a Python checker from tests/py with arguments; panics with its output on failure. The
+/// package in python/ (`ailhd_reader`, not an installed copy) and tests/py come first on
+/// PYTHONPATH, then whatever the caller had (e.g. where torch is installed).
+pub fn python<A: AsRef<std::ffi::OsStr>>(script: &str, args: &[A]) -> String {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut paths = vec![repo.join("python"), repo.join("tests/py")];
+    if let Some(p) = std::env::var_os("PYTHONPATH") {
+        paths.extend(std::env::split_paths(&p));
+    }
     let out = Command::new("python3")
-        .arg(&path)
+        .arg(repo.join("tests/py").join(script))
         .args(args)
+        .env("PYTHONPATH", std::env::join_paths(paths).unwrap())
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env_remove("AILHD_CONFIG")
         .output()
         .expect("python3 is needed for the reader tests (. .ci/setup installs numpy and h5py)");
     let text = format!(
