@@ -15,7 +15,7 @@ use crate::engine::outcome::{Observation, Reason};
 use crate::engine::{Done, Engine, Input, Reconciliation};
 use crate::lock::WriterLocks;
 use crate::source::settle::{PendingFile, Settled, Settler};
-use crate::source::watch::{TouchKind, WatchEvent, Watcher};
+use crate::source::watch::{WatchEvent, Watcher};
 use crate::source::{self, Found};
 use crate::status::{self, ServiceStatus};
 use anyhow::Context;
@@ -183,11 +183,10 @@ pub async fn serve(
                             if kind.is_strong() {
                                 strong_at.insert(path.clone(), now);
                             }
-                            // A file moved in while a removal is held is likely the other half
-                            // of a move: hold the removal until it has settled, so both reach
-                            // the engine in one batch.
-                            if kind == TouchKind::MovedIn && !gone.is_empty() {
-                                gone_due = Some(now + GONE_HOLD + 2 * Duration::from_millis(settings.ingest.settle_ms));
+                            // A file touched while a removal is held may be the other half of
+                            // a move: hold the removal until it has settled.
+                            if !gone.is_empty() {
+                                gone_due = Some(now + gone_hold(&settings, true));
                             }
                             settler.note(&path, kind.is_strong(), now);
                         }
@@ -203,7 +202,9 @@ pub async fn serve(
                         // Often half of a move: held a moment, so that it reaches the engine in
                         // the same batch as the arrival (the row is handed over, never invalid).
                         gone.push(Observation::Gone(lossy(&path)));
-                        gone_due.get_or_insert(now + GONE_HOLD);
+                        // The arrival may have been seen first (listed in a new folder, say)
+                        // and still be settling: then hold until it is ready.
+                        gone_due.get_or_insert(now + gone_hold(&settings, !settler.is_empty()));
                     }
                     WatchEvent::RemovedDir(path) => {
                         send(Work::Op(Input::Observe(Observation::FolderGone(lossy(&path)))));
@@ -234,14 +235,16 @@ pub async fn serve(
                     match decision {
                         Settled::Ready { path, .. } => {
                             let seen = strong_at.remove(&path).unwrap_or(now);
-                            if let Some(rel) = rel_str(&path) {
-                                send(Work::Op(Input::Load { rel, seen: Some(seen) }));
-                            }
-                            // The other half of a move, if one is held.
+                            // The other half of a move, if one is held, goes first: a batch
+                            // that starts with a removal waits for what follows it, so the
+                            // worker cannot take the arrival alone.
                             for o in gone.drain(..) {
                                 send(Work::Op(Input::Observe(o)));
                             }
                             gone_due = None;
+                            if let Some(rel) = rel_str(&path) {
+                                send(Work::Op(Input::Load { rel, seen: Some(seen) }));
+                            }
                         }
                         Settled::Quarantine { path, after_s, detail } => {
                             strong_at.remove(&path);
@@ -344,6 +347,17 @@ const UNWATCHED_RETRY: Duration = Duration::from_secs(10);
 
 /// How long a removal waits for the arrival that would make it a move.
 const GONE_HOLD: Duration = Duration::from_millis(50);
+
+/// How long removals are held: [`GONE_HOLD`], and while files are settling (one of them may be
+/// the other half of a move) long enough for them to be ready; a file that becomes ready sends
+/// the held removals with it.
+fn gone_hold(settings: &Settings, settling: bool) -> Duration {
+    if settling {
+        GONE_HOLD + 2 * Duration::from_millis(settings.ingest.settle_ms)
+    } else {
+        GONE_HOLD
+    }
+}
 
 fn rescan_deadline(settings: &Settings) -> Option<Instant> {
     (settings.ingest.rescan_interval_s > 0)
