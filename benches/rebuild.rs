@@ -1,8 +1,9 @@
 //! Rebuild benchmark: generates a synthetic tree (default 5,000 clips; `-- N` for another size),
 //! warms the page cache, then times `ailhd rebuild` end to end (hashing, decoding, features,
 //! HDF5 and npy writes, manifest) and, in the same run, the vectorised numpy + h5py baseline
-//! (benches/numpy_baseline.py) on the same tree. Prints files/s, the ratio, time per stage and
-//! peak memory.
+//! (benches/numpy_baseline.py) on the same tree, taking turns three times; prints the medians'
+//! files/s and ratio, the phases of the median run, time per stage and how busy each stage's
+//! threads were, and peak memory.
 //!
 //! cargo bench --bench rebuild [-- N]
 
@@ -47,56 +48,107 @@ fn main() {
     s.paths.output = dir.path().join("out");
     s.paths.state = dir.path().join("state");
     let ui = Ui { progress: false };
-    // First run warms the page cache (and the allocator); the second is measured.
+    // First run warms the page cache (and the allocator); then ailhd and the baseline take
+    // turns, three times each, and the medians are compared (the machine's load drifts).
     let warm = rebuild(&s, DeviceChoice::Cpu, &ui).unwrap();
     println!("warm-up rebuild: {:.0} files/s", warm.files_per_sec());
-    let mut best = None::<ailhd::rebuild::RebuildReport>;
-    for _ in 0..3 {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/numpy_baseline.py");
+    let mut runs = Vec::new();
+    let mut baseline = Vec::new();
+    for round in 1..=3 {
         let r = rebuild(&s, DeviceChoice::Cpu, &ui).unwrap();
-        if best.as_ref().is_none_or(|b| r.elapsed < b.elapsed) {
-            best = Some(r);
+        print!("round {round}: ailhd {:>6.0} files/s", r.files_per_sec());
+        runs.push(r);
+        match numpy_baseline(
+            &script,
+            &dir.path().join("rec"),
+            &dir.path().join("baseline.h5"),
+        ) {
+            Ok(rate) => {
+                println!("   numpy+h5py {rate:>6.0} files/s");
+                baseline.push(rate);
+            }
+            Err(e) => println!("   baseline not run: {e}"),
         }
     }
-    let r = best.unwrap();
+    runs.sort_by_key(|r| r.elapsed);
+    let r = &runs[runs.len() / 2];
     let threads = s.worker_threads();
     println!(
-        "ailhd rebuild (cpu, {threads} threads): {} files in {:.3} s = {:.0} files/s (best of 3)",
+        "ailhd rebuild (cpu, {threads} threads): {} files in {:.3} s = {:.0} files/s (median of 3)",
         r.files,
         r.elapsed.as_secs_f64(),
         r.files_per_sec()
     );
-    println!("  time per stage (thread-seconds; read/hash/decode run on {threads} threads, write+manifest on the writer thread):");
+    println!("  phases (wall seconds):");
+    for (phase, secs) in &r.phases {
+        println!("    {phase:<10} {secs:>8.3} s");
+    }
+    let ingest = r
+        .phases
+        .iter()
+        .find(|(p, _)| *p == "ingest")
+        .map(|(_, s)| *s)
+        .unwrap_or(f64::NAN);
+    println!(
+        "  time per stage (thread-seconds, us per file, and how busy the stage's threads were during ingest; read/hash/decode share {threads} loader threads, featurise has its own, write+manifest the commit thread):"
+    );
+    let sum = |names: &[&str]| -> f64 {
+        r.stages
+            .iter()
+            .filter(|(n, _)| names.contains(n))
+            .map(|(_, s)| s)
+            .sum()
+    };
     for (stage, secs) in &r.stages {
         println!(
             "    {stage:<10} {secs:>8.3} s  {:>7.1} us/file",
             secs * 1e6 / r.files as f64
         );
     }
-    println!("  peak RSS: {:.0} MB", peak_rss_mb());
-
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/numpy_baseline.py");
-    let out = std::process::Command::new("python3")
-        .arg(&script)
-        .arg(dir.path().join("rec"))
-        .arg(dir.path().join("baseline.h5"))
-        .output();
-    match out {
-        Ok(o) if o.status.success() => {
-            let text = String::from_utf8_lossy(&o.stdout);
-            print!("{text}");
-            if let Some(rate) = text
-                .split('=')
-                .nth(1)
-                .and_then(|s| s.split_whitespace().next())
-                .and_then(|s| s.parse::<f64>().ok())
-            {
-                println!(
-                    "ratio ailhd / numpy baseline: {:.1}x",
-                    r.files_per_sec() / rate
-                );
-            }
-        }
-        Ok(o) => println!("baseline failed: {}", String::from_utf8_lossy(&o.stderr)),
-        Err(e) => println!("baseline not run (python3: {e})"),
+    println!(
+        "  busy: loaders {:.0}%  featuriser {:.0}%  commit {:.0}%",
+        100.0 * sum(&["read", "hash", "decode"]) / (threads as f64 * ingest),
+        100.0 * sum(&["featurise"]) / ingest,
+        100.0 * sum(&["write", "manifest"]) / ingest,
+    );
+    println!(
+        "  peak RSS of this process (tree, rebuilds): {:.0} MB",
+        peak_rss_mb()
+    );
+    if !baseline.is_empty() {
+        baseline.sort_by(f64::total_cmp);
+        let b = baseline[baseline.len() / 2];
+        println!(
+            "numpy+h5py baseline: {b:.0} files/s (median of {})",
+            baseline.len()
+        );
+        println!(
+            "ratio ailhd / numpy baseline: {:.1}x",
+            r.files_per_sec() / b
+        );
     }
+}
+
+/// One run of the numpy + h5py baseline; its files/s.
+fn numpy_baseline(
+    script: &std::path::Path,
+    tree: &std::path::Path,
+    out: &std::path::Path,
+) -> Result<f64, String> {
+    let o = std::process::Command::new("python3")
+        .arg(script)
+        .arg(tree)
+        .arg(out)
+        .output()
+        .map_err(|e| format!("python3: {e}"))?;
+    if !o.status.success() {
+        return Err(String::from_utf8_lossy(&o.stderr).into_owned());
+    }
+    let text = String::from_utf8_lossy(&o.stdout);
+    text.split('=')
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse::<f64>().ok())
+        .ok_or_else(|| format!("unexpected output: {text}"))
 }

@@ -14,10 +14,6 @@ use crate::source::{self, Found};
 use crate::staging;
 use std::time::{Duration, Instant};
 
-/// Files per batch: large enough to fill every core and the GPU, small enough to bound memory
-/// (a batch holds its waveforms and rows: about 0.1 MB per file).
-const CHUNK: usize = 512;
-
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct RebuildReport {
     pub files: usize,
@@ -26,7 +22,12 @@ pub struct RebuildReport {
     pub quarantined: Vec<(String, String)>,
     pub device: String,
     pub elapsed: Duration,
+    /// Thread-seconds per stage (summed over the threads that run it).
     pub stages: Vec<(&'static str, f64)>,
+    /// Wall-clock seconds of the run's phases: start (lock, scan, featuriser, staging
+    /// outputs), ingest (first batch submitted to last batch durable), close (outputs and
+    /// manifest closed and synced), swap.
+    pub phases: Vec<(&'static str, f64)>,
     pub labels: Vec<String>,
     pub rows_per_label: Vec<u64>,
     /// `rebuild --shard I/N`: the shard, and the files left to the other shards (not counted
@@ -96,6 +97,7 @@ pub fn rebuild_shard(
     let featuriser = featuriser_start
         .join()
         .expect("featuriser start-up panicked")?;
+    let batch = featuriser.bulk_batch().max(1);
     log::info!(
         "rebuild: {} recordings under {}, featurising on {}",
         found.len(),
@@ -111,6 +113,7 @@ pub fn rebuild_shard(
     )?;
     engine.set_shard(shard);
     let bar = progress_bar(ui.progress, found.len() as u64);
+    let ingest_start = Instant::now();
     let mut report = RebuildReport {
         files: found.len(),
         rows: [0; 3],
@@ -119,6 +122,7 @@ pub fn rebuild_shard(
         device: engine.device().to_string(),
         elapsed: Duration::ZERO,
         stages: Vec::new(),
+        phases: Vec::new(),
         labels: engine.labels().to_vec(),
         rows_per_label: Vec::new(),
         shard: (!shard.is_all()).then(|| shard.to_string()),
@@ -133,7 +137,7 @@ pub fn rebuild_shard(
                 .extend(d.quarantined.into_iter().map(|(p, r)| (p, r.to_string())));
         }
     };
-    for names in found.chunks(CHUNK) {
+    for names in found.chunks(batch) {
         let inputs = names
             .iter()
             .map(|f| match f {
@@ -164,6 +168,7 @@ pub fn rebuild_shard(
         .manifest()
         .set_meta("rebuilt_at_ms", &now_ms().to_string())?;
     let stage_times = engine.times().seconds();
+    let close_start = Instant::now();
     let device_times = engine.finish()?;
     if let Some(b) = bar {
         b.finish_and_clear();
@@ -171,8 +176,15 @@ pub fn rebuild_shard(
     for (rel, reason) in &report.quarantined {
         log::warn!(file = rel.as_str(), reason = reason.as_str(); "quarantined {rel}: {reason}");
     }
+    let swap_start = Instant::now();
     staging::swap_in(settings)?;
     report.elapsed = started.elapsed();
+    report.phases = vec![
+        ("start", (ingest_start - started).as_secs_f64()),
+        ("ingest", (close_start - ingest_start).as_secs_f64()),
+        ("close", (swap_start - close_start).as_secs_f64()),
+        ("swap", swap_start.elapsed().as_secs_f64()),
+    ];
     report.stages = stage_times;
     if let Some(d) = device_times {
         report.stages.extend([

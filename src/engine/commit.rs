@@ -44,41 +44,60 @@ pub struct Committer {
 }
 
 impl Committer {
-    pub fn commit(&mut self, f: &Featurised) -> anyhow::Result<()> {
-        let plan = &f.plan;
-        let t = Instant::now();
-        let batch = self.manifest_batch(plan);
-        if self.live {
-            if let Some(room) = &self.room {
-                room.check(f)?;
-            }
-            // sled writes back on its own too: the manifest must not get ahead of the outputs.
-            self.write(f)?;
-            self.outputs.commit()?;
-            StageTimes::add(&self.times.write, t);
-            let t = Instant::now();
-            self.manifest.apply(batch)?;
-            self.manifest.flush()?;
-            StageTimes::add(&self.times.manifest, t);
-        } else {
-            // Staging is swapped in only when complete: the records go beside the rows.
-            let manifest = self.manifest.clone();
-            let times = self.times.clone();
-            std::thread::scope(|scope| -> anyhow::Result<()> {
-                let recorded = scope.spawn(move || -> anyhow::Result<()> {
-                    let t = Instant::now();
-                    manifest.apply(batch)?;
-                    StageTimes::add(&times.manifest, t);
-                    Ok(())
-                });
-                let written = self.write(f);
-                let recorded = recorded.join().expect("manifest writer panicked");
-                written?;
-                recorded
-            })?;
-            StageTimes::add(&self.times.write, t);
+    /// Carry out `group`, plans in the order they were decided. Live, the whole group is made
+    /// durable with one commit of the outputs and one flush of the manifest (a group commit:
+    /// when plans queue up behind a commit, as in a burst, the syncs are shared; a lone plan
+    /// is committed at once).
+    pub fn commit_group(&mut self, group: &[Featurised]) -> anyhow::Result<()> {
+        let Some(last) = group.last() else {
+            return Ok(());
+        };
+        if !self.live {
+            return group.iter().try_for_each(|f| self.commit(f));
         }
-        self.committed.store(plan.gen, Ordering::Release);
+        let t = Instant::now();
+        if let Some(room) = &self.room {
+            room.check(group)?;
+        }
+        // sled writes back on its own too: the manifest must not get ahead of the outputs.
+        for f in group {
+            self.write(f)?;
+        }
+        self.outputs.commit()?;
+        StageTimes::add(&self.times.write, t);
+        let t = Instant::now();
+        for f in group {
+            self.manifest.apply(self.manifest_batch(&f.plan))?;
+        }
+        self.manifest.flush()?;
+        StageTimes::add(&self.times.manifest, t);
+        self.committed.store(last.plan.gen, Ordering::Release);
+        Ok(())
+    }
+
+    pub fn commit(&mut self, f: &Featurised) -> anyhow::Result<()> {
+        if self.live {
+            return self.commit_group(std::slice::from_ref(f));
+        }
+        // Staging is swapped in only when complete: the records go beside the rows.
+        let t = Instant::now();
+        let batch = self.manifest_batch(&f.plan);
+        let manifest = self.manifest.clone();
+        let times = self.times.clone();
+        std::thread::scope(|scope| -> anyhow::Result<()> {
+            let recorded = scope.spawn(move || -> anyhow::Result<()> {
+                let t = Instant::now();
+                manifest.apply(batch)?;
+                StageTimes::add(&times.manifest, t);
+                Ok(())
+            });
+            let written = self.write(f).and_then(|()| self.outputs.start_writeback());
+            let recorded = recorded.join().expect("manifest writer panicked");
+            written?;
+            recorded
+        })?;
+        StageTimes::add(&self.times.write, t);
+        self.committed.store(f.plan.gen, Ordering::Release);
         Ok(())
     }
 
@@ -167,16 +186,25 @@ pub struct Room {
 }
 
 impl Room {
-    /// Refuse a batch that would not leave [`RESERVE_BYTES`] free (the error says where and
+    /// Refuse batches that would not leave [`RESERVE_BYTES`] free (the error says where and
     /// how much).
-    pub fn check(&self, f: &Featurised) -> anyhow::Result<()> {
-        let rows: u64 = f.plan.new_rows.iter().map(|r| r.len() as u64).sum();
-        let data: u64 = f.mel.iter().map(|m| (m.len() * 2) as u64).sum::<u64>()
-            + f.waveform
-                .iter()
-                .flatten()
-                .map(|w| (w.len() * 4) as u64)
-                .sum::<u64>();
+    pub fn check(&self, group: &[Featurised]) -> anyhow::Result<()> {
+        let rows: u64 = group
+            .iter()
+            .flat_map(|f| &f.plan.new_rows)
+            .map(|r| r.len() as u64)
+            .sum();
+        let data: u64 = group
+            .iter()
+            .map(|f| {
+                f.mel.iter().map(|m| (m.len() * 2) as u64).sum::<u64>()
+                    + f.waveform
+                        .iter()
+                        .flatten()
+                        .map(|w| (w.len() * 4) as u64)
+                        .sum::<u64>()
+            })
+            .sum();
         // The narrow columns of a row: source_path plus about 100 bytes of the others.
         let need = self.copies * (data + rows * (self.path_bytes + 100)) + RESERVE_BYTES;
         for (dir, need) in [(&self.output, need), (&self.state, RESERVE_BYTES)] {

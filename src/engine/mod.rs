@@ -4,8 +4,9 @@
 //! 1. load ([`stages::load`]): read, hash and decode the complete files, on a worker pool
 //!    (the caller's thread waits for it, so the next batch loads while earlier ones go on);
 //! 2. decide ([`ledger`]): the rules turn the batch's observations into a [`ledger::Plan`];
-//! 3. featurise: a thread of its own turns the plan's recordings into rows, a batch at a time
-//!    (large in bulk, latency-bounded in the service);
+//! 3. featurise ([`featurise`]): a thread of its own turns the plan's recordings into rows, a
+//!    batch at a time through the featuriser's pipelined `submit`/`finish` (large batches in
+//!    bulk, each micro-batch at once in the service), reusing the commit stage's row buffers;
 //! 4. commit ([`commit`]): a thread of its own appends, edits and records the plan.
 //!
 //! `rebuild` is "ingest every file of the tree into empty staging outputs, then swap";
@@ -14,6 +15,7 @@
 //! and [`Engine::wait`]; problems of one file are outcomes in the plan, never errors.
 
 pub mod commit;
+pub mod featurise;
 pub mod ledger;
 pub mod manifest;
 pub mod outcome;
@@ -38,6 +40,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+/// Featurised plans that may wait for the commit stage, and be committed together.
+const GROUP_MAX: usize = 8;
 
 /// What the engine is given.
 #[derive(Debug)]
@@ -229,7 +234,7 @@ impl Engine {
         rows: [u64; 3],
         manifest: Manifest,
         outputs: OutputSet,
-        mut featuriser: Box<dyn Featuriser>,
+        featuriser: Box<dyn Featuriser>,
         live: bool,
     ) -> Engine {
         let manifest = Arc::new(manifest);
@@ -243,25 +248,26 @@ impl Engine {
             .thread_name(|i| format!("ailhd-load-{i}"))
             .build()
             .expect("worker threads start");
-        // One plan in each queue: enough to keep every stage busy, little memory held.
+        // One plan waiting for the featuriser (it holds its recordings' samples: enough to keep
+        // every stage busy, little memory held); a few featurised ones for the commit stage,
+        // which commits whatever has queued up as one group.
         let (plan_tx, plan_rx) = crossbeam_channel::bounded::<Plan>(1);
-        let (feat_tx, feat_rx) = crossbeam_channel::bounded::<anyhow::Result<Featurised>>(1);
+        let (feat_tx, feat_rx) =
+            crossbeam_channel::bounded::<anyhow::Result<Featurised>>(GROUP_MAX);
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<anyhow::Result<Done>>();
-        let features = settings.features.clone();
+        let (recycle_tx, recycle_rx) = crossbeam_channel::bounded(featurise::RECYCLED);
         let featurising = {
-            let times = times.clone();
+            let mut stage = featurise::Stage {
+                featuriser,
+                features: settings.features.clone(),
+                times: times.clone(),
+                recycled: recycle_rx,
+            };
             std::thread::Builder::new()
                 .name("ailhd-featurise".into())
                 .spawn(move || {
-                    for plan in plan_rx {
-                        let t = Instant::now();
-                        let f = featurise(featuriser.as_mut(), plan, &features);
-                        StageTimes::add(&times.featurise, t);
-                        if feat_tx.send(f).is_err() {
-                            break;
-                        }
-                    }
-                    (featuriser.device_times(), featuriser)
+                    stage.run(plan_rx, feat_tx);
+                    (stage.featuriser.device_times(), stage.featuriser)
                 })
                 .expect("featuriser thread starts")
         };
@@ -283,22 +289,47 @@ impl Engine {
         let writing = std::thread::Builder::new()
             .name("ailhd-commit".into())
             .spawn(move || -> anyhow::Result<Committer> {
-                for f in feat_rx {
-                    let result = f.and_then(|f| {
-                        committer.commit(&f)?;
-                        Ok(done_of(f.plan))
-                    });
-                    if let Err(e) = result {
+                while let Ok(first) = feat_rx.recv() {
+                    // Live: the plans already featurised behind this one join its commit.
+                    let mut group = vec![first];
+                    while live && group.len() < GROUP_MAX && group.last().is_some_and(|f| f.is_ok())
+                    {
+                        match feat_rx.try_recv() {
+                            Ok(f) => group.push(f),
+                            Err(_) => break,
+                        }
+                    }
+                    // A featuriser failure ends the group: the plans before it are committed.
+                    let failed = match group.last() {
+                        Some(Err(_)) => group.pop().and_then(|f| f.err()),
+                        _ => None,
+                    };
+                    let plans: Vec<Featurised> = group.into_iter().flatten().collect();
+                    let error = match committer.commit_group(&plans) {
+                        Err(e) => Some(e),
+                        Ok(()) => {
+                            for f in plans {
+                                // The row buffers go back to the featurise stage.
+                                for m in f.mel {
+                                    if m.capacity() > 0 {
+                                        let _ = recycle_tx.try_send(m);
+                                    }
+                                }
+                                if done_tx.send(Ok(done_of(f.plan))).is_err() {
+                                    return Ok(committer);
+                                }
+                            }
+                            failed
+                        }
+                    };
+                    if let Some(e) = error {
                         // Roll back: the committer is dropped without a commit, which cuts
                         // every output back to its committed rows; the manifest never saw
-                        // the batch. Batches decided after it are not carried out.
+                        // the group. Batches decided after it are not carried out.
                         let text = format!("{e:#}");
                         let _ = done_tx.send(Err(e));
                         drop(committer);
                         bail!("{text}");
-                    }
-                    if done_tx.send(result).is_err() {
-                        break;
                     }
                 }
                 Ok(committer)
@@ -558,29 +589,6 @@ fn open_or_set_aside(dir: &Path) -> anyhow::Result<Manifest> {
         }
         Err(e) => Err(e.into()),
     }
-}
-
-fn featurise(
-    featuriser: &mut dyn Featuriser,
-    plan: Plan,
-    features: &crate::config::FeatureSettings,
-) -> anyhow::Result<Featurised> {
-    let mut mel: [Vec<half::f16>; 3] = Default::default();
-    let mut waveform: [Option<Vec<f32>>; 3] = Default::default();
-    for (split, rows) in plan.new_rows.iter().enumerate() {
-        if rows.is_empty() {
-            continue;
-        }
-        let waves: Vec<&crate::decode::Waveform> = rows.iter().map(|r| &r.wave).collect();
-        let (m, w) = stages::featurise_rows(featuriser, &waves, features)?;
-        mel[split] = m;
-        waveform[split] = w;
-    }
-    Ok(Featurised {
-        plan,
-        mel,
-        waveform,
-    })
 }
 
 fn done_of(plan: Plan) -> Done {

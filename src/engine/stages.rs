@@ -1,14 +1,11 @@
-//! The work of the stages around the ledger: load (read, hash, decode a complete file) and
-//! featurise (waveforms to rows), with the time each takes. Each file's failure becomes an
-//! outcome of that file; nothing here stops a batch because one file is bad.
+//! The load stage (read, hash, decode a complete file), the short windows a row stores, and the
+//! time each stage takes. Each file's failure becomes an outcome of that file; nothing here
+//! stops a batch because one file is bad.
 
 use crate::config::{FeatureSettings, FeatureShape};
 use crate::decode::{self, Waveform};
 use crate::engine::outcome::{Load, Loaded, Observation, Reason};
-use crate::features::Featuriser;
 use crate::identity;
-use anyhow::Context;
-use half::f16;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -119,29 +116,6 @@ fn load_into(
         hash,
         decoded,
     }
-}
-
-/// Rows for `waves`: the float16 features, and the short windows' samples when the outputs
-/// store them (`features.store_waveform`).
-pub fn featurise_rows(
-    featuriser: &mut dyn Featuriser,
-    waves: &[&Waveform],
-    features: &FeatureSettings,
-) -> anyhow::Result<(Vec<f16>, Option<Vec<f32>>)> {
-    let shape = featuriser.shape();
-    let mut mel = vec![f16::ZERO; waves.len() * shape.row_len()];
-    featuriser
-        .featurise(waves, &mut mel)
-        .with_context(|| format!("featurising on {}", featuriser.name()))?;
-    let waveform = features.store_waveform.then(|| {
-        let wl = shape.waveform_len();
-        let mut w = vec![0f32; waves.len() * wl];
-        for (wave, out) in waves.iter().zip(w.chunks_exact_mut(wl)) {
-            segment_waveform(wave, features, &shape, out);
-        }
-        w
-    });
-    Ok((mel, waveform))
 }
 
 /// `segments_waveform` of one recording: the short windows, `[num_long][num_short][short_window]`.

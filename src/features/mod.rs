@@ -36,6 +36,12 @@ pub trait Featuriser: Send {
     fn depth(&self) -> usize {
         1
     }
+    /// Recordings per batch in a bulk run. On the CPU, small enough that filling and draining
+    /// the pipeline costs little and the batches in flight hold little memory (a recording
+    /// holds about 90 KB until featurised); a GPU wants larger ones.
+    fn bulk_batch(&self) -> usize {
+        256
+    }
     /// A GPU's own stage times (staging, upload, kernels, download); None on the CPU.
     fn device_times(&self) -> Option<cuda::DeviceTimes> {
         None

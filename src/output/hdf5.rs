@@ -468,14 +468,23 @@ impl Hdf5Sink {
 
     /// Write every cached byte to the file (H5Fflush: raw-data chunk caches, metadata,
     /// superblock), then `fdatasync` it, so that what follows is ordered after it on disk.
-    fn flush_and_sync(&self) -> Result<()> {
+    /// The file descriptor of HDF5's sec2 driver.
+    fn fd(&self) -> Result<c_int> {
         let file = self.file()?;
         hdf5::sync::sync(|| unsafe {
-            hdf5::h5check(H5Fflush(file.id(), H5F_scope_t::H5F_SCOPE_LOCAL))?;
             let mut handle: *mut c_void = std::ptr::null_mut();
             hdf5::h5check(H5Fget_vfd_handle(file.id(), H5P_DEFAULT, &mut handle))?;
             // The sec2 driver's handle is a pointer to its file descriptor.
-            let fd = *(handle as *const c_int);
+            Ok::<c_int, anyhow::Error>(*(handle as *const c_int))
+        })
+        .with_context(|| format!("{}: file descriptor", self.path.display()))
+    }
+
+    fn flush_and_sync(&self) -> Result<()> {
+        let file = self.file()?;
+        let fd = self.fd()?;
+        hdf5::sync::sync(|| unsafe {
+            hdf5::h5check(H5Fflush(file.id(), H5F_scope_t::H5F_SCOPE_LOCAL))?;
             if libc::fdatasync(fd) != 0 {
                 return Err(anyhow::Error::from(std::io::Error::last_os_error()));
             }
@@ -579,6 +588,16 @@ impl SplitSink for Hdf5Sink {
 
     fn close(mut self: Box<Self>) -> Result<()> {
         self.finish()
+    }
+
+    fn start_writeback(&mut self) -> Result<()> {
+        // Chunks still in HDF5's cache are written by the commit; this starts on the rest.
+        let fd = self.fd()?;
+        // SAFETY: `fd` is the open file's descriptor, borrowed for the call only.
+        let file = std::mem::ManuallyDrop::new(unsafe {
+            <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd)
+        });
+        super::start_writeback(&file, &self.path)
     }
 }
 

@@ -57,6 +57,17 @@ impl NpySink {
     /// Create `dir` (an error if it already holds an output) with an empty file per column and
     /// `attributes.json`. Built as `<dir>.partial` and renamed into place when complete.
     pub fn create(dir: &Path, header: &OutputHeader) -> Result<Self> {
+        Self::create_with(dir, header, true)
+    }
+
+    /// [`NpySink::create`] for staging outputs (`rebuild`): the new files are not synced one
+    /// by one, since the closing commit syncs every column and `attributes.json` before the
+    /// staging folder is swapped in, and a crash before that discards the staging folder.
+    pub fn create_staged(dir: &Path, header: &OutputHeader) -> Result<Self> {
+        Self::create_with(dir, header, false)
+    }
+
+    fn create_with(dir: &Path, header: &OutputHeader, sync: bool) -> Result<Self> {
         if dir.join(ATTRIBUTES).exists() {
             bail!(
                 "{}: already holds an npy output; not overwriting it",
@@ -83,7 +94,7 @@ impl NpySink {
                 .with_context(|| format!("creating {}", path.display()))?;
             let header_len = header_len_for(&spec);
             file.write_all_at(&npy_header(&spec, 0, header_len), 0)
-                .and_then(|()| file.sync_all())
+                .and_then(|()| if sync { file.sync_all() } else { Ok(()) })
                 .with_context(|| format!("writing {}", path.display()))?;
         }
         let mut attrs = Map::new();
@@ -390,6 +401,13 @@ impl SplitSink for NpySink {
 
     fn close(mut self: Box<Self>) -> Result<()> {
         self.finish()
+    }
+
+    fn start_writeback(&mut self) -> Result<()> {
+        for c in &self.cols {
+            super::start_writeback(&c.file, &c.path)?;
+        }
+        Ok(())
     }
 }
 

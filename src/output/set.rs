@@ -27,7 +27,9 @@ impl OutputSet {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
         Self::build(dir, outputs, |kind, _, path| match kind {
             Kind::Hdf5 => Ok(Box::new(Hdf5Sink::create(path, header, swmr)?) as Box<dyn SplitSink>),
-            Kind::Npy => Ok(Box::new(NpySink::create(path, header)?) as Box<dyn SplitSink>),
+            // Live outputs are synced as they are made; staging ones by their closing commit.
+            Kind::Npy if swmr => Ok(Box::new(NpySink::create(path, header)?) as Box<dyn SplitSink>),
+            Kind::Npy => Ok(Box::new(NpySink::create_staged(path, header)?) as Box<dyn SplitSink>),
         })
     }
 
@@ -154,6 +156,14 @@ impl OutputSet {
             .map(|s| &mut **s as &mut dyn SplitSink)
             .collect();
         concurrently(&mut all, |sink| sink.commit()).map(drop)
+    }
+
+    /// [`SplitSink::start_writeback`] on every sink.
+    pub fn start_writeback(&mut self) -> anyhow::Result<()> {
+        for sink in self.splits.iter_mut().flatten() {
+            sink.start_writeback()?;
+        }
+        Ok(())
     }
 
     pub fn close(self) -> anyhow::Result<()> {

@@ -342,6 +342,10 @@ impl Featuriser for CudaFeaturiser {
         SLOTS
     }
 
+    fn bulk_batch(&self) -> usize {
+        1024
+    }
+
     fn submit(&mut self, batch: &[&Waveform], rows: Vec<f16>) -> anyhow::Result<()> {
         self.check_batch(batch, rows.len())?;
         self.on_device(|f| f.submit_batch(batch, rows))
