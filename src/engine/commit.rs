@@ -253,3 +253,117 @@ pub fn free_bytes(dir: &std::path::Path) -> anyhow::Result<u64> {
 fn human(b: u64) -> String {
     format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Settings;
+    use crate::engine::ledger::{tests::read, Ledger};
+    use crate::identity::LabelSet;
+    use crate::output::OutputHeader;
+    use std::path::Path;
+
+    fn live(dir: &Path) -> (Committer, Ledger, Settings) {
+        let s = Settings::default();
+        let labels = LabelSet::new(&s.labels.names, &[], s.labels.unknown);
+        let header = OutputHeader {
+            labels: labels.names.clone(),
+            features: s.features.clone(),
+            path_bytes: s.outputs.path_bytes,
+        };
+        let outputs = OutputSet::create(&dir.join("out"), &s.outputs, &header, true).unwrap();
+        let manifest = Arc::new(Manifest::open(&dir.join("manifest")).unwrap());
+        let ledger = Ledger::new(&s, labels, [0; 3]);
+        let committer = Committer {
+            outputs,
+            room: None,
+            manifest,
+            live: true,
+            path_bytes: s.outputs.path_bytes,
+            committed: ledger.committed_handle(),
+            times: Arc::default(),
+            configured_labels: s.labels.names.len(),
+        };
+        (committer, ledger, s)
+    }
+
+    /// One decided plan for a new recording, with features of the right size (`short` makes
+    /// them one value short, which the outputs refuse).
+    fn featurised(
+        c: &Committer,
+        ledger: &mut Ledger,
+        s: &Settings,
+        i: usize,
+        short: bool,
+    ) -> Featurised {
+        let rel = format!("LEAK/S00{i}~R{i}~20250118120530~100.wav");
+        let plan = ledger
+            .decide(&*c.manifest, vec![read(&rel, rel.as_bytes())])
+            .unwrap();
+        let row_len = s.features.shape().row_len();
+        let mut mel: [Vec<f16>; 3] = Default::default();
+        for (split, rows) in plan.new_rows.iter().enumerate() {
+            mel[split] = vec![f16::ONE; (rows.len() * row_len).saturating_sub(short as usize)];
+        }
+        Featurised {
+            plan,
+            mel,
+            waveform: Default::default(),
+        }
+    }
+
+    fn committed_rows(dir: &Path, s: &Settings) -> u64 {
+        let header = OutputHeader {
+            labels: s.labels.names.clone(),
+            features: s.features.clone(),
+            path_bytes: s.outputs.path_bytes,
+        };
+        let outputs =
+            OutputSet::open_append(&dir.join("out"), &s.outputs, &header, false, None).unwrap();
+        (0..3).map(|split| outputs.committed_rows(split)).sum()
+    }
+
+    #[test]
+    fn a_group_is_committed_whole_and_recorded_up_to_its_last_plan() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut c, mut ledger, s) = live(dir.path());
+        let group: Vec<Featurised> = (0..3)
+            .map(|i| featurised(&c, &mut ledger, &s, i, false))
+            .collect();
+        let last = group.last().unwrap().plan.gen;
+        c.commit_group(&group).unwrap();
+        assert_eq!(c.committed.load(Ordering::Acquire), last);
+        assert_eq!(c.manifest.files().count(), 3);
+        assert_eq!(c.manifest.rows().unwrap().iter().sum::<u64>(), 3);
+        c.close().unwrap();
+        assert_eq!(committed_rows(dir.path(), &s), 3);
+    }
+
+    #[test]
+    fn a_group_that_fails_half_way_leaves_neither_rows_nor_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut c, mut ledger, s) = live(dir.path());
+        let group = vec![
+            featurised(&c, &mut ledger, &s, 0, false),
+            featurised(&c, &mut ledger, &s, 1, true),
+            featurised(&c, &mut ledger, &s, 2, false),
+        ];
+        let e = c.commit_group(&group).unwrap_err();
+        assert!(format!("{e:#}").contains("mel values"), "{e:#}");
+        assert_eq!(c.committed.load(Ordering::Acquire), 0);
+        let manifest = c.manifest.clone();
+        // What the engine does on a failure: drop the committer without a commit.
+        drop(c);
+        assert_eq!(
+            manifest.files().count(),
+            0,
+            "the manifest saw nothing of the group"
+        );
+        drop(manifest);
+        assert_eq!(
+            committed_rows(dir.path(), &s),
+            0,
+            "the first plan's rows were cut back"
+        );
+    }
+}
