@@ -7,7 +7,8 @@
 //! - [`source`]: what a recording is, [`source::scan`] of the tree, [`source::watch`]
 //!   (inotify), [`source::settle`] (when a touched file is complete);
 //! - [`engine`]: the stages and their threads; [`engine::ledger`] (the one place that decides
-//!   rows, ownership, moves and quarantine), [`engine::commit`] (the one commit protocol),
+//!   rows, ownership, moves and quarantine), [`engine::featurise`] (batches through the
+//!   featuriser's `submit`/`finish`), [`engine::commit`] (the one commit protocol),
 //!   [`engine::manifest`] (sled, the commit point), [`engine::outcome`] (typed outcomes),
 //!   [`engine::recover`] (a lost manifest rebuilt from the outputs);
 //! - [`decode`]: WAV bytes -> mono waveform at the configured rate;
