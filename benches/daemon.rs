@@ -37,6 +37,21 @@ fn committed(s: &serde_json::Value) -> u64 {
     s["files"]["committed"].as_u64().unwrap_or(0)
 }
 
+/// Rows committed to the outputs, as a reader sees them (the npy columns' `committed_rows`,
+/// written at each commit; `status.json` is written every 2 s at most, too coarse to time a
+/// burst by).
+fn rows_committed(out: &Path) -> u64 {
+    (0..3)
+        .map(|split| {
+            std::fs::read_to_string(ailhd::output::npy_dir(out, split).join("attributes.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| v["committed_rows"].as_u64())
+                .unwrap_or(0)
+        })
+        .sum()
+}
+
 fn proc_cpu_secs(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let fields: Vec<&str> = stat
@@ -158,12 +173,13 @@ fn main() {
         )
         .unwrap();
     }
-    let before = committed(&snapshot(&state));
+    let out = dir.path().join("out");
+    let before = rows_committed(&out);
     let c0 = proc_cpu_secs(pid);
     let t = Instant::now();
     std::fs::rename(&burst_dir, rec.join("NORMAL")).unwrap();
-    while committed(&snapshot(&state)) < before + burst_n as u64 {
-        std::thread::sleep(Duration::from_millis(10));
+    while rows_committed(&out) < before + burst_n as u64 {
+        std::thread::sleep(Duration::from_millis(5));
     }
     let burst_secs = t.elapsed().as_secs_f64();
     let burst_rate = burst_n as f64 / burst_secs;
