@@ -63,10 +63,18 @@ pub struct Done {
     pub other_shards: usize,
 }
 
-/// What the featuriser thread hands back when it stops.
-type Featuring = (Option<DeviceTimes>, Box<dyn Featuriser>);
+/// What the featuriser thread hands back when it stops: the featuriser, unless it failed.
+type Featuring = (Option<DeviceTimes>, Option<Box<dyn Featuriser>>);
 /// What a stopped engine hands back: the GPU's stage times, the featuriser if its thread had it.
 type Stopped = (Option<DeviceTimes>, Option<Box<dyn Featuriser>>);
+
+/// The context of an error of the featuriser (not of writing): the engine stopped, and the
+/// featuriser was dropped.
+#[derive(Debug, thiserror::Error)]
+#[error("the featuriser ({device}) failed")]
+pub struct FeaturiserFailed {
+    pub device: String,
+}
 
 /// The featuriser an engine starts with: a new one for a device, or the warm one of a
 /// suspended engine (no device set-up again after an idle close or a write failure).
@@ -257,11 +265,20 @@ impl Engine {
                         let t = Instant::now();
                         let f = featurise(featuriser.as_mut(), plan, &features);
                         StageTimes::add(&times.featurise, t);
+                        if let Err(e) = f {
+                            // A featuriser that failed may be left in any state (a GPU context
+                            // lost, say): it is dropped here, and whoever opens the engine again
+                            // builds a new one. The commit thread rolls the batch back.
+                            let device = featuriser.name();
+                            log::warn!("the featuriser ({device}) failed: dropped, a new one is built when ingest resumes");
+                            let _ = feat_tx.send(Err(e.context(FeaturiserFailed { device })));
+                            return (featuriser.device_times(), None);
+                        }
                         if feat_tx.send(f).is_err() {
                             break;
                         }
                     }
-                    (featuriser.device_times(), featuriser)
+                    (featuriser.device_times(), Some(featuriser))
                 })
                 .expect("featuriser thread starts")
         };
@@ -470,14 +487,15 @@ impl Engine {
     }
 
     /// After a failure: drop whatever is in flight (nothing of it is recorded) and hand back
-    /// the featuriser, if its thread still has it.
+    /// the featuriser, if its thread still has it: not after the featuriser itself failed
+    /// (then None, and the next [`Engine::open_live_with`] must build a new one).
     pub fn abandon(mut self) -> Option<Box<dyn Featuriser>> {
         self.to_featurise = None;
         let featuriser = self
             .featurising
             .take()
             .and_then(|h| h.join().ok())
-            .map(|(_, f)| f);
+            .and_then(|(_, f)| f);
         if let Some(h) = self.writing.take() {
             // Ok: the commit thread stopped without a failure; dropping its committer without
             // a commit cuts back whatever was appended and not committed.
@@ -490,10 +508,7 @@ impl Engine {
         let waited = self.wait();
         self.to_featurise = None;
         let (device_times, featuriser) = match self.featurising.take() {
-            Some(h) => {
-                let (t, f) = h.join().expect("featuriser thread panicked");
-                (t, Some(f))
-            }
+            Some(h) => h.join().expect("featuriser thread panicked"),
             None => (None, None),
         };
         let committer = self

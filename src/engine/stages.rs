@@ -130,6 +130,13 @@ pub fn featurise_rows(
 ) -> anyhow::Result<(Vec<f16>, Option<Vec<f32>>)> {
     let shape = featuriser.shape();
     let mut mel = vec![f16::ZERO; waves.len() * shape.row_len()];
+    // Test builds (feature `failpoints`): FAILPOINTS='featurise=N*return(why)' makes the next
+    // N batches fail here as a failing featuriser would (tests/faults.rs).
+    fail::fail_point!("featurise", |why| Err(anyhow::anyhow!(
+        "fail point: {}",
+        why.unwrap_or_default()
+    ))
+    .with_context(|| format!("featurising on {}", featuriser.name())));
     featuriser
         .featurise(waves, &mut mel)
         .with_context(|| format!("featurising on {}", featuriser.name()))?;
