@@ -142,6 +142,23 @@ impl Engine {
                 );
             }
         }
+        if OutputSet::exists(out_dir, &settings.outputs) {
+            if let Some(a) = recover::adopt_tail(settings, &manifest)? {
+                let n: u64 = a.rows.iter().sum();
+                log::warn!(
+                    "the outputs in {} had committed {n} rows the manifest had not recorded (the service stopped between the two commits of a batch): adopted them ({} training, {} validation, {} testing{}), no row cut. Checking the tree against them",
+                    out_dir.display(),
+                    a.rows[0],
+                    a.rows[1],
+                    a.rows[2],
+                    if a.superseded > 0 {
+                        format!("; {} of them superseded, turned invalid (see above)", a.superseded)
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+        }
         let fingerprint = settings.features.fingerprint();
         let known_rows = manifest.rows()?;
         let has_records = manifest.files().next().is_some() || known_rows.iter().any(|&r| r > 0);
@@ -180,8 +197,9 @@ impl Engine {
         } else {
             OutputSet::create(out_dir, &settings.outputs, &header, true)?
         };
-        // open_append cut every split back to what the manifest accounts for; fewer rows than
-        // that means the outputs lost rows the manifest counts as ingested.
+        // Rows committed beyond the manifest's counts were adopted above; open_append cut only
+        // uncommitted rows. Fewer rows than the manifest counts means the outputs lost rows the
+        // manifest counts as ingested.
         for (split, &known) in known_rows.iter().enumerate() {
             let on_disk = outputs.committed_rows(split);
             if known > on_disk {
