@@ -487,3 +487,137 @@ fn read_npy(settings: &Settings, dir: &Path) -> Result<(Vec<String>, Identity)> 
         },
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::ledger::row_meta;
+    use half::f16;
+
+    fn settings(dir: &Path) -> Settings {
+        let mut s = Settings::default();
+        s.paths.output = dir.join("out");
+        s.paths.state = dir.join("state");
+        s
+    }
+
+    fn append(outputs: &mut OutputSet, settings: &Settings, split: usize, rows: &[(&str, u8)]) {
+        let row_len = settings.features.shape().row_len();
+        let metas: Vec<_> = rows
+            .iter()
+            .map(|(path, h)| row_meta(path, &[*h; 32], (split as i16 + 1) % 3))
+            .collect();
+        let mel = vec![f16::ZERO; rows.len() * row_len];
+        outputs.append(split, &mel, None, &metas).unwrap();
+    }
+
+    fn record(batch: &mut ManifestBatch, h: u8, at: (u8, u64), label: i16, paths: &[&str]) {
+        batch.put_content(
+            &[h; 32],
+            &ContentRecord {
+                row: Some(RowRef {
+                    split: at.0,
+                    row: at.1,
+                }),
+                label,
+                valid: true,
+                paths: paths.iter().map(|p| p.to_string()).collect(),
+            },
+        );
+        for p in paths {
+            batch.put_file(
+                p,
+                &FileRecord {
+                    hash: Some([h; 32]),
+                    size: 100,
+                    mtime_ns: 1,
+                    quarantine: None,
+                    updated_ms: 0,
+                },
+            );
+        }
+    }
+
+    /// A batch committed to the outputs and lost by the manifest, with each case of
+    /// [`adopt_tail`]: new bytes at a recorded path (its old row turns invalid), bytes whose
+    /// row moved to another split (the old one retired), and a second valid row for bytes that
+    /// have one in that split (which the ledger never makes: superseded).
+    #[test]
+    fn a_lost_batch_is_adopted_as_the_ledger_decided_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = settings(dir.path());
+        let header = OutputHeader {
+            labels: s.labels.names.clone(),
+            features: s.features.clone(),
+            path_bytes: s.outputs.path_bytes,
+        };
+        let manifest = Manifest::open(&crate::staging::manifest_dir(&s)).unwrap();
+        let mut outputs = OutputSet::create(&s.paths.output, &s.outputs, &header, false).unwrap();
+        // Recorded: A (LEAK/a.wav) and B (LEAK/b.wav) in training, C in validation.
+        append(
+            &mut outputs,
+            &s,
+            0,
+            &[("LEAK/a.wav", 0xA), ("LEAK/b.wav", 0xB)],
+        );
+        append(&mut outputs, &s, 1, &[("NORMAL/c.wav", 0xC)]);
+        outputs.commit().unwrap();
+        let mut batch = ManifestBatch::default();
+        record(&mut batch, 0xA, (0, 0), 1, &["LEAK/a.wav"]);
+        record(&mut batch, 0xB, (0, 1), 1, &["LEAK/b.wav"]);
+        record(&mut batch, 0xC, (1, 0), 2, &["NORMAL/c.wav"]);
+        for (split, n) in [2, 1, 0].into_iter().enumerate() {
+            batch.put_rows(split, n);
+        }
+        batch.put_meta("labels", &serde_json::to_string(&s.labels.names).unwrap());
+        manifest.apply(batch).unwrap();
+        // The lost batch: a second row for A in training, LEAK/a.wav now holding D, and B's
+        // row made anew in validation for NORMAL/b2.wav (its training row retired: invalid).
+        append(
+            &mut outputs,
+            &s,
+            0,
+            &[("LEAK/z.wav", 0xA), ("LEAK/a.wav", 0xD)],
+        );
+        append(&mut outputs, &s, 1, &[("NORMAL/b2.wav", 0xB)]);
+        outputs.set_valid(0, 1, false).unwrap();
+        outputs.commit().unwrap();
+        outputs.close().unwrap();
+
+        let adopted = adopt_tail(&s, &manifest).unwrap().expect("rows to adopt");
+        assert_eq!(
+            adopted,
+            Adopted {
+                rows: [2, 1, 0],
+                superseded: 1
+            }
+        );
+        assert_eq!(manifest.rows().unwrap(), [4, 2, 0]);
+        let content = |h: u8| manifest.get_content(&[h; 32]).unwrap().unwrap();
+        let at = |split, row| Some(RowRef { split, row });
+        // A lost its only path to D: invalid, its row kept. The second A row is nobody's.
+        assert_eq!((content(0xA).row, content(0xA).valid), (at(0, 0), false));
+        assert!(content(0xA).paths.is_empty());
+        assert_eq!(content(0xD).row, at(0, 3));
+        assert!(content(0xD).valid && content(0xD).paths == ["LEAK/a.wav"]);
+        // B's row is the new one; LEAK/b.wav left B in that batch, and is read again.
+        assert_eq!((content(0xB).row, content(0xB).valid), (at(1, 1), true));
+        assert_eq!(content(0xB).paths, ["LEAK/b.wav", "NORMAL/b2.wav"]);
+        assert_eq!(content(0xC).row, at(1, 0));
+        for p in ["LEAK/a.wav", "LEAK/b.wav", "NORMAL/b2.wav"] {
+            assert_eq!(manifest.get_file(p).unwrap().unwrap().size, u64::MAX, "{p}");
+        }
+        assert!(manifest.get_file("LEAK/z.wav").unwrap().is_none());
+        assert_eq!(
+            manifest.get_file("NORMAL/c.wav").unwrap().unwrap().size,
+            100
+        );
+        // The outputs: the retired, emptied and superseded rows invalid, no row cut.
+        let cols = crate::output::read::read(&s).unwrap();
+        let valid: Vec<Vec<u8>> = cols.splits.iter().map(|c| c.valid.clone()).collect();
+        assert_eq!(valid[0], [0, 0, 0, 1]);
+        assert_eq!(valid[1], [1, 1]);
+        // Done: nothing left to adopt.
+        assert!(adopt_tail(&s, &manifest).unwrap().is_none());
+    }
+}
