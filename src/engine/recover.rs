@@ -50,9 +50,11 @@ pub struct Recovered {
     pub source: String,
 }
 
-/// One split's identity columns, committed rows only.
+/// One split's identity columns, committed rows only: `blake3` and `source_path` from row
+/// `from` on, `labels` and `valid` of every row.
 #[derive(Default)]
 struct Identity {
+    from: u64,
     blake3: Vec<u8>,
     source_path: Vec<String>,
     labels: Vec<i16>,
@@ -82,7 +84,7 @@ pub fn from_outputs(settings: &Settings, manifest: &Manifest) -> Result<Option<R
                 continue;
             }
             found.source = "HDF5 files".into();
-            read_hdf5(&path)?
+            read_hdf5(&path, 0)?
         } else if settings.outputs.npy {
             let dir = crate::output::npy_dir(out, split);
             if !dir.join("attributes.json").exists() {
@@ -275,9 +277,14 @@ pub fn adopt_tail(settings: &Settings, manifest: &Manifest) -> Result<Option<Ado
         let hdf5 = crate::output::hdf5_path(out, &settings.outputs.hdf5_names, split);
         let npy = crate::output::npy_dir(out, split);
         let ids = if settings.outputs.hdf5 && hdf5.exists() {
-            read_hdf5(&hdf5)?.1
+            read_hdf5(&hdf5, known[split])?.1
         } else if !settings.outputs.hdf5 && npy.join("attributes.json").exists() {
-            read_npy(settings, &npy)?.1
+            let mut ids = read_npy(settings, &npy)?.1;
+            let from = known[split].min(ids.source_path.len() as u64);
+            ids.blake3.drain(..from as usize * 32);
+            ids.source_path.drain(..from as usize);
+            ids.from = from;
+            ids
         } else {
             Identity::default()
         };
@@ -299,14 +306,15 @@ pub fn adopt_tail(settings: &Settings, manifest: &Manifest) -> Result<Option<Ado
     for (split, ids) in splits.iter().enumerate() {
         for row in known[split]..on_disk[split].max(known[split]) {
             let r = row as usize;
-            let hash: Hash = ids.blake3[r * 32..r * 32 + 32]
+            let t = (row - ids.from) as usize;
+            let hash: Hash = ids.blake3[t * 32..t * 32 + 32]
                 .try_into()
                 .expect("32-byte rows");
             let at = RowRef {
                 split: split as u8,
                 row,
             };
-            let path = ids.source_path[r].clone();
+            let path = ids.source_path[t].clone();
             let label = ids.labels[r];
             found.rows[split] += 1;
             let cur = content(&contents, &hash)?;
@@ -433,11 +441,13 @@ pub fn adopt_tail(settings: &Settings, manifest: &Manifest) -> Result<Option<Ado
     Ok(Some(found))
 }
 
-fn read_hdf5(path: &Path) -> Result<(Vec<String>, Identity)> {
+/// The identity columns of one split's HDF5 file (`blake3` and `source_path` from row `from`).
+fn read_hdf5(path: &Path, from: u64) -> Result<(Vec<String>, Identity)> {
     let mut f = SwmrSplit::open(path)?;
     let labels = f.label_names()?;
     let n = f.refresh()?;
-    let (width, blake3) = f.read_bytes("blake3", 0..n)?;
+    let from = from.min(n);
+    let (width, blake3) = f.read_bytes("blake3", from..n)?;
     if width != 32 {
         bail!("{}: blake3 rows of {width} bytes, not 32", path.display());
     }
@@ -445,8 +455,9 @@ fn read_hdf5(path: &Path) -> Result<(Vec<String>, Identity)> {
     Ok((
         labels,
         Identity {
+            from,
             blake3,
-            source_path: f.read_strings("source_path", 0..n)?,
+            source_path: f.read_strings("source_path", from..n)?,
             labels: narrow.labels,
             valid: narrow.valid,
         },
@@ -471,6 +482,7 @@ fn read_npy(settings: &Settings, dir: &Path) -> Result<(Vec<String>, Identity)> 
     Ok((
         names,
         Identity {
+            from: 0,
             blake3,
             source_path: paths
                 .chunks(width.max(1))
