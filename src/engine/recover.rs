@@ -273,14 +273,14 @@ pub fn adopt_tail(settings: &Settings, manifest: &Manifest) -> Result<Option<Ado
         return Ok(None);
     }
     let mut splits = Vec::new();
-    for split in 0..3 {
+    for (split, &recorded) in known.iter().enumerate() {
         let hdf5 = crate::output::hdf5_path(out, &settings.outputs.hdf5_names, split);
         let npy = crate::output::npy_dir(out, split);
         let ids = if settings.outputs.hdf5 && hdf5.exists() {
-            read_hdf5(&hdf5, known[split])?.1
+            read_hdf5(&hdf5, recorded)?.1
         } else if !settings.outputs.hdf5 && npy.join("attributes.json").exists() {
             let mut ids = read_npy(settings, &npy)?.1;
-            let from = known[split].min(ids.source_path.len() as u64);
+            let from = recorded.min(ids.source_path.len() as u64);
             ids.blake3.drain(..from as usize * 32);
             ids.source_path.drain(..from as usize);
             ids.from = from;
