@@ -467,7 +467,9 @@ impl Worker {
     /// Writing failed: drop what is in flight (nothing of it was recorded, the outputs are cut
     /// back to their committed rows), report, and retry later.
     fn fail(&mut self, e: anyhow::Error) {
-        let first = self.fault.is_none();
+        // The first failure since a batch last committed (a retry that reopens the outputs and
+        // then fails at the next batch, as a broken featuriser does, is the same failure).
+        let first = self.failures == 0;
         if let Some(engine) = self.engine.take() {
             self.warm = engine.abandon();
         }
@@ -475,17 +477,25 @@ impl Worker {
         self.failures += 1;
         let wait = Self::backoff(self.failures);
         let error = format!("{e:#}");
+        let what = match e.downcast_ref::<crate::engine::FeaturiserFailed>() {
+            Some(_) => "featurising",
+            None => "writing",
+        };
+        crate::metrics::write_failing(true);
         if first {
             log::error!(
-                "writing failed, nothing of the batch was recorded: {error}; the service stays up and tries again in {} s",
+                "{what} failed, nothing of the batch was recorded: {error}; the service stays up and tries again in {} s",
                 wait.as_secs()
             );
-            crate::metrics::error("write");
-            crate::metrics::write_failing(true);
-            self.recent.push_error(format!("writing: {error}"));
+            crate::metrics::error(if what == "writing" {
+                "write"
+            } else {
+                "featurise"
+            });
+            self.recent.push_error(format!("{what}: {error}"));
         } else {
             log::warn!(
-                "writing still fails: {error}; next try in {} s",
+                "{what} still fails: {error}; next try in {} s",
                 wait.as_secs()
             );
         }

@@ -112,6 +112,9 @@ enum Command {
 struct UsageError(String);
 
 fn main() -> ExitCode {
+    // Test builds only (Cargo.toml, feature `failpoints`): fail points from FAILPOINTS.
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     let cli = Cli::parse();
     let verbosity = if cli.debug { 2 } else { u8::from(cli.verbose) };
     ailhd::logging::init(verbosity, matches!(cli.command, Command::Run));

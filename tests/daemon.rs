@@ -407,6 +407,116 @@ fn a_lost_state_is_rebuilt_from_the_outputs_and_no_row_moves() {
     compare_with_rebuild(&world);
 }
 
+/// Committed rows per split of the HDF5 outputs, read as a SWMR reader does (the service may run).
+fn committed_rows(world: &World) -> Vec<u64> {
+    [
+        "TRAINING_DATASET.H5",
+        "VALIDATION_DATASET.H5",
+        "TESTING_DATASET.H5",
+    ]
+    .iter()
+    .map(|n| {
+        ailhd::output::read::SwmrSplit::open(&world.out().join(n))
+            .and_then(|mut f| f.refresh())
+            .unwrap()
+    })
+    .collect()
+}
+
+/// The one window between the two commits of a batch (src/engine/commit.rs): the outputs have
+/// committed it, a SWMR reader has seen its rows, and the service is killed before the manifest
+/// records it. The next start adopts those rows from their own columns instead of cutting them:
+/// committed_rows never falls, no seen row changes, nothing is featurised twice, and the
+/// outputs equal a rebuild's.
+#[test]
+fn rows_committed_before_a_kill_in_the_manifest_window_are_adopted_not_cut() {
+    let world = World::new(FAST);
+    let rec = world.rec();
+    let clip = |label: &str, i: u64| {
+        ailhd::synth::wav_pcm16(&ailhd::synth::clip(label, 700 + i, 4096, 10.0), 4096)
+    };
+    let names: Vec<String> = (0..6)
+        .map(|i| {
+            format!(
+                "{}/{}",
+                ["LEAK", "NORMAL"][i % 2],
+                ailhd::synth::file_name(i, 2)
+            )
+        })
+        .collect();
+    for (i, rel) in names.iter().enumerate() {
+        write_via_rename(&rec, rel, &clip(&rel[..rel.find('/').unwrap()], i as u64));
+    }
+    // The same bytes as names[0] under a larger path (it owns nothing yet).
+    write_via_rename(&rec, "NORMAL/zz_copy.wav", &clip("LEAK", 0));
+    let svc = Service::start(&world);
+    svc.wait("7 files committed", |s| committed(s) == 7);
+    svc.terminate();
+    let before = all_rows(&world);
+    assert_eq!(before.iter().map(Vec::len).sum::<usize>(), 6, "{before:?}");
+
+    // While stopped: new bytes at the owner of shared bytes (the copy takes its row over, with
+    // its own label), new bytes at another path (its old row turns invalid), a new file. The
+    // start-up rescan hands all three on at once.
+    write_via_rename(&rec, &names[0], &clip("LEAK", 50));
+    write_via_rename(&rec, &names[1], &clip("NORMAL", 51));
+    write_via_rename(&rec, "CRACK/new.wav", &clip("CRACK", 52));
+    let reader = PyReader::start(&world, "rows_keep.py");
+    // Test builds have a fail point there (Cargo.toml, feature `failpoints`): the first batch
+    // that appends rows sleeps between the outputs' commit and the manifest's.
+    let svc = Service::start_failing(&world, "commit-before-manifest=1*sleep(120000)");
+    svc.wait_for("rows committed beyond the manifest's", || {
+        committed_rows(&world).iter().sum::<u64>() > 6
+    });
+    // Let the reader see them before the kill.
+    std::thread::sleep(Duration::from_millis(300));
+    let seen = committed_rows(&world);
+    svc.kill9();
+    let snap = world.status_json();
+    let recorded: u64 = ["training", "validation", "testing"]
+        .iter()
+        .map(|k| snap["splits"][k]["rows"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        recorded, 6,
+        "killed before the manifest recorded the batch: {snap}"
+    );
+
+    let svc = Service::start(&world);
+    let snap = svc.wait("the tree checked against the adopted rows", |s| {
+        let valid: u64 = ["training", "validation", "testing"]
+            .iter()
+            .map(|k| s["splits"][k]["valid"].as_u64().unwrap())
+            .sum();
+        committed(s) == 8 && valid == 8 && s["service"]["queue_depth"] == 0
+    });
+    let log = svc.log();
+    assert!(
+        log.contains("had committed") && log.contains("adopted them"),
+        "{log}"
+    );
+    assert!(!log.contains("never recorded in the manifest"), "{log}");
+    let rows: u64 = ["training", "validation", "testing"]
+        .iter()
+        .map(|k| snap["splits"][k]["rows"].as_u64().unwrap())
+        .sum();
+    assert_eq!(rows, 9, "3 new rows, none featurised twice: {snap}");
+    let now = committed_rows(&world);
+    for (split, (s, n)) in seen.iter().zip(&now).enumerate() {
+        assert!(n >= s, "split {split}: {seen:?} -> {now:?}");
+    }
+    let out = reader.finish();
+    println!("{out}");
+    svc.terminate();
+    let after = all_rows(&world);
+    for (split, (b, a)) in before.iter().zip(&after).enumerate() {
+        for (i, (rb, ra)) in b.iter().zip(a).enumerate() {
+            assert_eq!(rb.0, ra.0, "split {split} row {i} holds other bytes");
+        }
+    }
+    compare_with_rebuild(&world);
+}
+
 #[test]
 fn an_unreadable_manifest_is_set_aside_and_rebuilt_from_the_outputs() {
     let world = World::new(FAST);

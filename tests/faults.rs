@@ -127,6 +127,76 @@ fn a_full_output_disk_is_ridden_out_and_nothing_is_lost_or_torn() {
     compare_with_rebuild(&world);
 }
 
+#[test]
+fn a_featuriser_failing_mid_run_is_ridden_out_and_nothing_is_lost() {
+    let prom = std::env::temp_dir().join(format!("ailhd-featurise-{}.prom", std::process::id()));
+    let world = World::new(&format!("{FAST}[metrics]\ntextfile = {prom:?}\n"));
+    add(&world, 0..4);
+    let svc = Service::start(&world);
+    svc.wait("4 files committed", |s| committed(s) == 4);
+    svc.terminate();
+    // The real CPU featuriser cannot be made to fail: the binary `cargo test` builds has a fail
+    // point in the featurise stage (Cargo.toml, feature `failpoints`), here failing the next 3
+    // batches featurised, as a featuriser that lost its device would.
+    let svc = Service::start_failing(&world, "featurise=3*return(the device is gone)");
+    let reader = PyReader::start(&world, "rows_keep.py");
+    add(&world, 4..7);
+    let snap = svc.wait("the failure reported", |s| {
+        s["service"]["write_failing"].is_object()
+    });
+    let error = snap["service"]["write_failing"]["error"].as_str().unwrap();
+    assert!(
+        error.contains("the featuriser (cpu) failed") && error.contains("the device is gone"),
+        "{snap}"
+    );
+    // Still up, saying so in `status` (each retry reopens the outputs, which works, and fails
+    // again at the next batch: asked between the two, `status` has nothing to report).
+    svc.wait_for("`status` to report it", || {
+        let text = ok(&world.run(&["status"]));
+        text.contains("WRITING FAILS") && text.contains("the featuriser (cpu) failed")
+    });
+    assert_eq!(committed(&svc.snapshot().unwrap()), 4);
+    // More arrive while it fails; it retries with a growing backoff, the featuriser failing at
+    // each try until the third, then resumes by itself and takes up everything.
+    add(&world, 7..9);
+    svc.wait("all 9 committed, the failure over", |s| {
+        committed(s) == 9 && s["service"]["write_failing"].is_null()
+    });
+    let out = reader.finish();
+    println!("{out}");
+    let log = svc.terminate();
+    assert!(
+        log.contains("featurising failed, nothing of the batch was recorded")
+            && log.matches("featurising still fails").count() == 2
+            && log.contains("next try in 2 s")
+            && log.contains("next try in 4 s")
+            && log.contains("writing works again"),
+        "{log}"
+    );
+    // Each failed featuriser was dropped, and a new one built for the next try.
+    assert_eq!(
+        log.matches("the featuriser (cpu) failed: dropped, a new one is built")
+            .count(),
+        3,
+        "{log}"
+    );
+    let metrics = std::fs::read_to_string(&prom).unwrap();
+    assert!(
+        metrics.contains("ailhd_errors_total{kind=\"featurise\"} 1")
+            && metrics.contains("ailhd_write_failing 0"),
+        "{metrics}"
+    );
+    let _ = std::fs::remove_file(&prom);
+    // Every file has its row, once, equal to a rebuild's; no row was left from the rolled-back
+    // batches (the outputs hold exactly the 9 rows).
+    let rows: u64 = ["training", "validation", "testing"]
+        .iter()
+        .map(|k| world.status_json()["splits"][k]["rows"].as_u64().unwrap())
+        .sum();
+    assert_eq!(rows, 9);
+    compare_with_rebuild(&world);
+}
+
 /// Open every split's file as plain (non-SWMR) readers do, with h5py and with HDF5 1.10's
 /// h5dump, and check every dataset has exactly committed_rows rows.
 fn plain_readers_open(world: &World) -> String {

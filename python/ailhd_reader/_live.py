@@ -23,10 +23,13 @@ How it reads, and why:
   of a block of >= 256 bytes (a writer that aligns its chunks; ailhd does not today); otherwise
   by fancy indexing a byte view into a new array.
 
-Known limit: rows never move or disappear, except when the service, restarting after a crash,
-takes back rows committed to the outputs but not to its own records. A process still reading a
-snapshot that covers such rows reads freed bytes until the next `refresh()`; for npy the file
-was cut short there, and touching those pages raises SIGBUS.
+Rows never move or disappear. A service killed after committing a batch to the outputs and
+before recording it in its manifest adopts those rows when it starts again (ailhd README,
+"Outputs"). Known limit: with both HDF5 and npy outputs enabled, the two commit a batch side by
+side, and a kill in the moment between their two commits leaves rows committed in one and not
+the other; the next start takes those rows back. A process still reading a snapshot that
+covers them reads freed bytes until the next `refresh()`; for npy the file was cut short there,
+and touching those pages raises SIGBUS.
 """
 
 import collections.abc

@@ -4,8 +4,9 @@
 //! 2. apply in-place edits (`valid`, new owners) and appended labels;
 //! 3. live: commit the outputs (flush, then `committed_rows`);
 //! 4. store the records and the row counts in the manifest; live: flush. This is the commit
-//!    point: after a crash, the outputs are cut back to the manifest's row counts and whatever
-//!    the manifest does not record is ingested again.
+//!    point: after a crash, whatever the manifest does not record is ingested again. Rows the
+//!    outputs committed in step 3 (readers may have seen them) are adopted into the manifest
+//!    from their own columns ([`super::recover::adopt_tail`]); uncommitted ones are cut.
 //!
 //! In bulk (`rebuild` into staging) steps 3 and the flush happen once at the end: the staging
 //! outputs are swapped in only when complete.
@@ -64,6 +65,15 @@ impl Committer {
             self.write(f)?;
         }
         self.outputs.commit()?;
+        // Test builds (feature `failpoints`): a sleep here holds the service between the two
+        // commits of a group that appended rows, where tests/daemon.rs kills it.
+        fail::fail_point!(
+            "commit-before-manifest",
+            group
+                .iter()
+                .any(|f| f.plan.new_rows.iter().any(|r| !r.is_empty())),
+            |_| Ok(())
+        );
         StageTimes::add(&self.times.write, t);
         let t = Instant::now();
         for f in group {

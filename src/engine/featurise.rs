@@ -11,7 +11,9 @@
 use super::commit::Featurised;
 use super::ledger::Plan;
 use super::stages::{segment_waveform, StageTimes};
+use super::FeaturiserFailed;
 use crate::config::FeatureSettings;
+use crate::features::cuda::DeviceTimes;
 use crate::features::Featuriser;
 use anyhow::Context;
 use crossbeam_channel::{Receiver, Sender};
@@ -42,8 +44,14 @@ pub struct Stage {
 
 impl Stage {
     /// Run until `plans` is closed and everything submitted is handed on, or `out` is closed,
-    /// or a batch fails (its error is handed on and the stage stops).
-    pub fn run(&mut self, plans: Receiver<Plan>, out: Sender<anyhow::Result<Featurised>>) {
+    /// or a batch fails: its error is handed on (as [`FeaturiserFailed`]) and the featuriser,
+    /// which may be left in any state (a GPU context lost, say), is dropped; whoever opens the
+    /// engine again builds a new one. Returns the device's stage times and the featuriser.
+    pub fn run(
+        mut self,
+        plans: Receiver<Plan>,
+        out: Sender<anyhow::Result<Featurised>>,
+    ) -> (Option<DeviceTimes>, Option<Box<dyn Featuriser>>) {
         let depth = self.featuriser.depth().max(1);
         let mut flight: VecDeque<InFlight> = VecDeque::new();
         loop {
@@ -63,10 +71,7 @@ impl Stage {
                 StageTimes::add(&self.times.featurise, t);
                 match submitted {
                     Ok(f) => flight.push_back(f),
-                    Err(e) => {
-                        let _ = out.send(Err(e));
-                        break;
-                    }
+                    Err(e) => return self.failed(e, &out),
                 }
                 if flight.len() < depth {
                     continue;
@@ -76,14 +81,32 @@ impl Stage {
             let t = Instant::now();
             let finished = self.finish(oldest);
             StageTimes::add(&self.times.featurise, t);
-            let failed = finished.is_err();
-            if out.send(finished).is_err() || failed {
-                break;
+            match finished {
+                Ok(f) => {
+                    if out.send(Ok(f)).is_err() {
+                        break;
+                    }
+                }
+                Err(e) => return self.failed(e, &out),
             }
         }
-        // Leave the featuriser with nothing in flight (a stopped or failed run's batches are
+        // Leave the featuriser with nothing in flight (the batches of a run stopped early are
         // not carried out), so that it can be used again.
         while let Ok(Some(_)) = self.featuriser.finish() {}
+        (self.featuriser.device_times(), Some(self.featuriser))
+    }
+
+    fn failed(
+        self,
+        e: anyhow::Error,
+        out: &Sender<anyhow::Result<Featurised>>,
+    ) -> (Option<DeviceTimes>, Option<Box<dyn Featuriser>>) {
+        let device = self.featuriser.name();
+        log::warn!(
+            "the featuriser ({device}) failed: dropped, a new one is built when ingest resumes"
+        );
+        let _ = out.send(Err(e.context(FeaturiserFailed { device })));
+        (self.featuriser.device_times(), None)
     }
 
     fn submit(&mut self, mut plan: Plan) -> anyhow::Result<InFlight> {
@@ -106,6 +129,13 @@ impl Stage {
             let mut buffer = self.recycled.try_recv().unwrap_or_default();
             buffer.clear();
             buffer.resize(waves.len() * shape.row_len(), f16::ZERO);
+            // Test builds (feature `failpoints`): FAILPOINTS='featurise=N*return(why)' makes the
+            // next N batches fail here as a failing featuriser would (tests/faults.rs).
+            fail::fail_point!("featurise", |why| Err(anyhow::anyhow!(
+                "fail point: {}",
+                why.unwrap_or_default()
+            ))
+            .with_context(|| format!("featurising on {}", self.featuriser.name())));
             self.featuriser
                 .submit(&waves, buffer)
                 .with_context(|| format!("featurising on {}", self.featuriser.name()))?;

@@ -68,10 +68,18 @@ pub struct Done {
     pub other_shards: usize,
 }
 
-/// What the featuriser thread hands back when it stops.
-type Featuring = (Option<DeviceTimes>, Box<dyn Featuriser>);
+/// What the featuriser thread hands back when it stops: the featuriser, unless it failed.
+type Featuring = (Option<DeviceTimes>, Option<Box<dyn Featuriser>>);
 /// What a stopped engine hands back: the GPU's stage times, the featuriser if its thread had it.
 type Stopped = (Option<DeviceTimes>, Option<Box<dyn Featuriser>>);
+
+/// The context of an error of the featuriser (not of writing): the engine stopped, and the
+/// featuriser was dropped.
+#[derive(Debug, thiserror::Error)]
+#[error("the featuriser ({device}) failed")]
+pub struct FeaturiserFailed {
+    pub device: String,
+}
 
 /// The featuriser an engine starts with: a new one for a device, or the warm one of a
 /// suspended engine (no device set-up again after an idle close or a write failure).
@@ -139,6 +147,23 @@ impl Engine {
                 );
             }
         }
+        if OutputSet::exists(out_dir, &settings.outputs) {
+            if let Some(a) = recover::adopt_tail(settings, &manifest)? {
+                let n: u64 = a.rows.iter().sum();
+                log::warn!(
+                    "the outputs in {} had committed {n} rows the manifest had not recorded (the service stopped between the two commits of a batch): adopted them ({} training, {} validation, {} testing{}), no row cut. Checking the tree against them",
+                    out_dir.display(),
+                    a.rows[0],
+                    a.rows[1],
+                    a.rows[2],
+                    if a.superseded > 0 {
+                        format!("; {} of them superseded, turned invalid (see above)", a.superseded)
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+        }
         let fingerprint = settings.features.fingerprint();
         let known_rows = manifest.rows()?;
         let has_records = manifest.files().next().is_some() || known_rows.iter().any(|&r| r > 0);
@@ -177,8 +202,9 @@ impl Engine {
         } else {
             OutputSet::create(out_dir, &settings.outputs, &header, true)?
         };
-        // open_append cut every split back to what the manifest accounts for; fewer rows than
-        // that means the outputs lost rows the manifest counts as ingested.
+        // Rows committed beyond the manifest's counts were adopted above; open_append cut only
+        // uncommitted rows. Fewer rows than the manifest counts means the outputs lost rows the
+        // manifest counts as ingested.
         for (split, &known) in known_rows.iter().enumerate() {
             let on_disk = outputs.committed_rows(split);
             if known > on_disk {
@@ -257,7 +283,7 @@ impl Engine {
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<anyhow::Result<Done>>();
         let (recycle_tx, recycle_rx) = crossbeam_channel::bounded(featurise::RECYCLED);
         let featurising = {
-            let mut stage = featurise::Stage {
+            let stage = featurise::Stage {
                 featuriser,
                 features: settings.features.clone(),
                 times: times.clone(),
@@ -265,10 +291,7 @@ impl Engine {
             };
             std::thread::Builder::new()
                 .name("ailhd-featurise".into())
-                .spawn(move || {
-                    stage.run(plan_rx, feat_tx);
-                    (stage.featuriser.device_times(), stage.featuriser)
-                })
+                .spawn(move || stage.run(plan_rx, feat_tx))
                 .expect("featuriser thread starts")
         };
         let mut committer = Committer {
@@ -501,14 +524,15 @@ impl Engine {
     }
 
     /// After a failure: drop whatever is in flight (nothing of it is recorded) and hand back
-    /// the featuriser, if its thread still has it.
+    /// the featuriser, if its thread still has it: not after the featuriser itself failed
+    /// (then None, and the next [`Engine::open_live_with`] must build a new one).
     pub fn abandon(mut self) -> Option<Box<dyn Featuriser>> {
         self.to_featurise = None;
         let featuriser = self
             .featurising
             .take()
             .and_then(|h| h.join().ok())
-            .map(|(_, f)| f);
+            .and_then(|(_, f)| f);
         if let Some(h) = self.writing.take() {
             // Ok: the commit thread stopped without a failure; dropping its committer without
             // a commit cuts back whatever was appended and not committed.
@@ -521,10 +545,7 @@ impl Engine {
         let waited = self.wait();
         self.to_featurise = None;
         let (device_times, featuriser) = match self.featurising.take() {
-            Some(h) => {
-                let (t, f) = h.join().expect("featuriser thread panicked");
-                (t, Some(f))
-            }
+            Some(h) => h.join().expect("featuriser thread panicked"),
             None => (None, None),
         };
         let committer = self

@@ -17,12 +17,21 @@
 //! every recovered file record carries an impossible size, so each recorded path is read and
 //! hashed once more (features are not recomputed: unchanged bytes keep their row), and every
 //! other file is judged as new.
+//!
+//! The same columns close the one window between the two commits of a batch (see
+//! [`super::commit`]): a service stopped after the outputs committed a batch (its rows visible to
+//! SWMR readers) and before the manifest recorded it. Its rows are not cut: [`adopt_tail`]
+//! records them as the ledger had decided them, and the reconcile does the rest of that batch
+//! again (its edits of older rows are already in the outputs, and doing them again writes the
+//! same values).
 
 use super::manifest::{ContentRecord, FileRecord, Manifest, ManifestBatch, RowRef};
 use crate::config::{Settings, SPLITS};
 use crate::identity::Hash;
+use crate::output::npy::NpySink;
 use crate::output::read::{npy_label_names, npy_rows, SwmrSplit};
-use crate::output::ColumnType;
+use crate::output::set::OutputSet;
+use crate::output::{ColumnType, OutputHeader};
 use anyhow::{bail, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -41,8 +50,11 @@ pub struct Recovered {
     pub source: String,
 }
 
-/// One split's identity columns, committed rows only.
+/// One split's identity columns, committed rows only: `blake3` and `source_path` from row
+/// `from` on, `labels` and `valid` of every row.
+#[derive(Default)]
 struct Identity {
+    from: u64,
     blake3: Vec<u8>,
     source_path: Vec<String>,
     labels: Vec<i16>,
@@ -72,7 +84,7 @@ pub fn from_outputs(settings: &Settings, manifest: &Manifest) -> Result<Option<R
                 continue;
             }
             found.source = "HDF5 files".into();
-            read_hdf5(&path)?
+            read_hdf5(&path, 0)?
         } else if settings.outputs.npy {
             let dir = crate::output::npy_dir(out, split);
             if !dir.join("attributes.json").exists() {
@@ -180,11 +192,262 @@ pub fn from_outputs(settings: &Settings, manifest: &Manifest) -> Result<Option<R
     Ok(Some(found))
 }
 
-fn read_hdf5(path: &Path) -> Result<(Vec<String>, Identity)> {
+/// What [`adopt_tail`] took over, for the log line.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Adopted {
+    /// Rows adopted, per split.
+    pub rows: [u64; 3],
+    /// Of them, rows whose bytes already had a row of their own in the same split (the ledger
+    /// never makes two): recorded as superseded, invalid.
+    pub superseded: u64,
+}
+
+/// A file record the reconcile reads and hashes again (no file has this size and mtime).
+fn to_read_again(hash: Hash) -> FileRecord {
+    FileRecord {
+        hash: Some(hash),
+        size: u64::MAX,
+        mtime_ns: i64::MIN,
+        quarantine: None,
+        updated_ms: super::manifest::now_ms(),
+    }
+}
+
+/// Adopt the rows the outputs committed beyond the manifest's row counts: the last batch of a
+/// service stopped between committing the outputs and flushing the manifest. Readers may have
+/// seen those rows, and rows never move nor disappear, so instead of being cut they are recorded
+/// from their own columns, as the ledger decided them:
+///
+/// - a valid row is its bytes' row, owned by its `source_path`; the bytes' other recorded paths
+///   stay with it, and a row the bytes had in another split was retired by that batch (it is
+///   invalid in the outputs already; written so again);
+/// - its owner let go of the bytes it held before: that content loses the path, and its row
+///   turns invalid (no path left) or belongs to the next path (whose label the row already has),
+///   as that batch wrote in the outputs;
+/// - a valid row whose bytes already have a row in the same split cannot be the ledger's (it
+///   never makes two): it is turned invalid and left unrecorded, as a superseded row;
+/// - an invalid row is recorded as its bytes' row only when they have none.
+///
+/// Every path recorded here is read and hashed again by the reconcile that follows (no
+/// feature is recomputed: unchanged bytes keep their row), which also does again whatever else
+/// that batch did. Rows the enabled outputs do not all hold committed (HDF5 and npy commit side
+/// by side) were never there for some readers and are cut as before. Returns None when the
+/// outputs hold no rows beyond the manifest's.
+pub fn adopt_tail(settings: &Settings, manifest: &Manifest) -> Result<Option<Adopted>> {
+    let out = &settings.paths.output;
+    let known = manifest.rows()?;
+    let mut on_disk = [0u64; 3];
+    let mut label_names: Option<Vec<String>> = None;
+    for (split, rows) in on_disk.iter_mut().enumerate() {
+        let mut least = u64::MAX;
+        if settings.outputs.hdf5 {
+            let path = crate::output::hdf5_path(out, &settings.outputs.hdf5_names, split);
+            if !path.exists() {
+                continue;
+            }
+            let mut f = SwmrSplit::open(&path)?;
+            least = least.min(f.refresh()?);
+            if label_names.is_none() {
+                label_names = Some(f.label_names()?);
+            }
+        }
+        if settings.outputs.npy {
+            let dir = crate::output::npy_dir(out, split);
+            if !dir.join("attributes.json").exists() {
+                continue;
+            }
+            let labels = npy_label_names(&dir)?;
+            let header = OutputHeader {
+                labels: labels.clone(),
+                features: settings.features.clone(),
+                path_bytes: settings.outputs.path_bytes,
+            };
+            least = least.min(NpySink::committed_rows_on_disk(&dir, &header)?);
+            label_names.get_or_insert(labels);
+        }
+        if least != u64::MAX {
+            *rows = least;
+        }
+    }
+    if (0..3).all(|s| on_disk[s] <= known[s]) {
+        return Ok(None);
+    }
+    let mut splits = Vec::new();
+    for (split, &recorded) in known.iter().enumerate() {
+        let hdf5 = crate::output::hdf5_path(out, &settings.outputs.hdf5_names, split);
+        let npy = crate::output::npy_dir(out, split);
+        let ids = if settings.outputs.hdf5 && hdf5.exists() {
+            read_hdf5(&hdf5, recorded)?.1
+        } else if !settings.outputs.hdf5 && npy.join("attributes.json").exists() {
+            let mut ids = read_npy(settings, &npy)?.1;
+            let from = recorded.min(ids.source_path.len() as u64);
+            ids.blake3.drain(..from as usize * 32);
+            ids.source_path.drain(..from as usize);
+            ids.from = from;
+            ids
+        } else {
+            Identity::default()
+        };
+        splits.push(ids);
+    }
+
+    let mut found = Adopted::default();
+    // Records as adopted so far (read from the manifest on first use).
+    let mut contents: BTreeMap<Hash, ContentRecord> = BTreeMap::new();
+    let mut files: BTreeMap<String, FileRecord> = BTreeMap::new();
+    let content = |contents: &BTreeMap<Hash, ContentRecord>, h: &Hash| -> Result<_> {
+        Ok(match contents.get(h) {
+            Some(c) => Some(c.clone()),
+            None => manifest.get_content(h)?,
+        })
+    };
+    // Rows to write invalid (most already are: written again, the same value).
+    let mut invalid: Vec<RowRef> = Vec::new();
+    for (split, ids) in splits.iter().enumerate() {
+        for row in known[split]..on_disk[split].max(known[split]) {
+            let r = row as usize;
+            let t = (row - ids.from) as usize;
+            let hash: Hash = ids.blake3[t * 32..t * 32 + 32]
+                .try_into()
+                .expect("32-byte rows");
+            let at = RowRef {
+                split: split as u8,
+                row,
+            };
+            let path = ids.source_path[t].clone();
+            let label = ids.labels[r];
+            found.rows[split] += 1;
+            let cur = content(&contents, &hash)?;
+            if ids.valid[r] == 0 || path.is_empty() {
+                if ids.valid[r] != 0 {
+                    invalid.push(at);
+                }
+                if cur.is_none() {
+                    contents.insert(
+                        hash,
+                        ContentRecord {
+                            row: Some(at),
+                            label,
+                            valid: false,
+                            paths: Vec::new(),
+                        },
+                    );
+                }
+                continue;
+            }
+            if cur
+                .as_ref()
+                .and_then(|c| c.row)
+                .is_some_and(|r0| r0.split == at.split && r0 != at)
+            {
+                log::warn!(
+                    "adopting {} row {row} ({path}): its bytes have a row in that split already; turned invalid, as superseded",
+                    SPLITS[split]
+                );
+                invalid.push(at);
+                found.superseded += 1;
+                continue;
+            }
+            let mut c = cur.unwrap_or(ContentRecord {
+                row: None,
+                label,
+                valid: false,
+                paths: Vec::new(),
+            });
+            if let Some(r0) = c.row.filter(|r0| *r0 != at) {
+                invalid.push(r0);
+            }
+            let old = match files.get(&path) {
+                Some(f) => Some(f.clone()),
+                None => manifest.get_file(&path)?,
+            };
+            if let Some(h0) = old
+                .as_ref()
+                .and_then(|f| f.holds().copied())
+                .filter(|h0| *h0 != hash)
+            {
+                if let Some(mut c0) = content(&contents, &h0)? {
+                    let was_owner = c0.owner() == Some(path.as_str());
+                    c0.paths.retain(|p| *p != path);
+                    if let Some(r0) = c0.row {
+                        if c0.paths.is_empty() {
+                            if c0.valid {
+                                c0.valid = false;
+                                invalid.push(r0);
+                            }
+                        } else if was_owner {
+                            if let Some(&l) = splits[r0.split as usize].labels.get(r0.row as usize)
+                            {
+                                c0.label = l;
+                            }
+                        }
+                    }
+                    contents.insert(h0, c0);
+                }
+            }
+            c.row = Some(at);
+            c.label = label;
+            c.valid = true;
+            if let Err(i) = c.paths.binary_search(&path) {
+                c.paths.insert(i, path.clone());
+            }
+            for p in &c.paths {
+                files.insert(p.clone(), to_read_again(hash));
+            }
+            contents.insert(hash, c);
+        }
+    }
+
+    // The outputs first: stopped half-way, the next start adopts the same rows again.
+    let keep: [u64; 3] = std::array::from_fn(|s| on_disk[s].max(known[s]));
+    let labels = label_names.unwrap_or_else(|| settings.labels.names.clone());
+    let header = OutputHeader {
+        labels: labels.clone(),
+        features: settings.features.clone(),
+        path_bytes: settings.outputs.path_bytes,
+    };
+    let mut outputs = OutputSet::open_append(out, &settings.outputs, &header, false, Some(keep))?;
+    for r in &invalid {
+        outputs.set_valid(r.split as usize, r.row, false)?;
+    }
+    outputs.commit()?;
+    outputs.close()?;
+
+    let mut batch = ManifestBatch::default();
+    for (hash, c) in &contents {
+        batch.put_content(hash, c);
+    }
+    for (path, f) in &files {
+        batch.put_file(path, f);
+    }
+    for (split, &rows) in keep.iter().enumerate() {
+        batch.put_rows(split, rows);
+    }
+    // Labels the lost batch appended (labels.unknown = "append") are in the outputs already.
+    let stored: Vec<String> = manifest
+        .get_meta("labels")?
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    if labels.len() > stored.len() && labels.starts_with(&stored) {
+        let configured = settings.labels.names.len().min(labels.len());
+        batch.put_meta("labels", &serde_json::to_string(&labels)?);
+        batch.put_meta(
+            "appended_labels",
+            &serde_json::to_string(&labels[configured..])?,
+        );
+    }
+    manifest.apply(batch)?;
+    manifest.flush()?;
+    Ok(Some(found))
+}
+
+/// The identity columns of one split's HDF5 file (`blake3` and `source_path` from row `from`).
+fn read_hdf5(path: &Path, from: u64) -> Result<(Vec<String>, Identity)> {
     let mut f = SwmrSplit::open(path)?;
     let labels = f.label_names()?;
     let n = f.refresh()?;
-    let (width, blake3) = f.read_bytes("blake3", 0..n)?;
+    let from = from.min(n);
+    let (width, blake3) = f.read_bytes("blake3", from..n)?;
     if width != 32 {
         bail!("{}: blake3 rows of {width} bytes, not 32", path.display());
     }
@@ -192,8 +455,9 @@ fn read_hdf5(path: &Path) -> Result<(Vec<String>, Identity)> {
     Ok((
         labels,
         Identity {
+            from,
             blake3,
-            source_path: f.read_strings("source_path", 0..n)?,
+            source_path: f.read_strings("source_path", from..n)?,
             labels: narrow.labels,
             valid: narrow.valid,
         },
@@ -218,6 +482,7 @@ fn read_npy(settings: &Settings, dir: &Path) -> Result<(Vec<String>, Identity)> 
     Ok((
         names,
         Identity {
+            from: 0,
             blake3,
             source_path: paths
                 .chunks(width.max(1))
@@ -233,4 +498,138 @@ fn read_npy(settings: &Settings, dir: &Path) -> Result<(Vec<String>, Identity)> 
             valid,
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::ledger::row_meta;
+    use half::f16;
+
+    fn settings(dir: &Path) -> Settings {
+        let mut s = Settings::default();
+        s.paths.output = dir.join("out");
+        s.paths.state = dir.join("state");
+        s
+    }
+
+    fn append(outputs: &mut OutputSet, settings: &Settings, split: usize, rows: &[(&str, u8)]) {
+        let row_len = settings.features.shape().row_len();
+        let metas: Vec<_> = rows
+            .iter()
+            .map(|(path, h)| row_meta(path, &[*h; 32], (split as i16 + 1) % 3))
+            .collect();
+        let mel = vec![f16::ZERO; rows.len() * row_len];
+        outputs.append(split, &mel, None, &metas).unwrap();
+    }
+
+    fn record(batch: &mut ManifestBatch, h: u8, at: (u8, u64), label: i16, paths: &[&str]) {
+        batch.put_content(
+            &[h; 32],
+            &ContentRecord {
+                row: Some(RowRef {
+                    split: at.0,
+                    row: at.1,
+                }),
+                label,
+                valid: true,
+                paths: paths.iter().map(|p| p.to_string()).collect(),
+            },
+        );
+        for p in paths {
+            batch.put_file(
+                p,
+                &FileRecord {
+                    hash: Some([h; 32]),
+                    size: 100,
+                    mtime_ns: 1,
+                    quarantine: None,
+                    updated_ms: 0,
+                },
+            );
+        }
+    }
+
+    /// A batch committed to the outputs and lost by the manifest, with each case of
+    /// [`adopt_tail`]: new bytes at a recorded path (its old row turns invalid), bytes whose
+    /// row moved to another split (the old one retired), and a second valid row for bytes that
+    /// have one in that split (which the ledger never makes: superseded).
+    #[test]
+    fn a_lost_batch_is_adopted_as_the_ledger_decided_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = settings(dir.path());
+        let header = OutputHeader {
+            labels: s.labels.names.clone(),
+            features: s.features.clone(),
+            path_bytes: s.outputs.path_bytes,
+        };
+        let manifest = Manifest::open(&crate::staging::manifest_dir(&s)).unwrap();
+        let mut outputs = OutputSet::create(&s.paths.output, &s.outputs, &header, false).unwrap();
+        // Recorded: A (LEAK/a.wav) and B (LEAK/b.wav) in training, C in validation.
+        append(
+            &mut outputs,
+            &s,
+            0,
+            &[("LEAK/a.wav", 0xA), ("LEAK/b.wav", 0xB)],
+        );
+        append(&mut outputs, &s, 1, &[("NORMAL/c.wav", 0xC)]);
+        outputs.commit().unwrap();
+        let mut batch = ManifestBatch::default();
+        record(&mut batch, 0xA, (0, 0), 1, &["LEAK/a.wav"]);
+        record(&mut batch, 0xB, (0, 1), 1, &["LEAK/b.wav"]);
+        record(&mut batch, 0xC, (1, 0), 2, &["NORMAL/c.wav"]);
+        for (split, n) in [2, 1, 0].into_iter().enumerate() {
+            batch.put_rows(split, n);
+        }
+        batch.put_meta("labels", &serde_json::to_string(&s.labels.names).unwrap());
+        manifest.apply(batch).unwrap();
+        // The lost batch: a second row for A in training, LEAK/a.wav now holding D, and B's
+        // row made anew in validation for NORMAL/b2.wav (its training row retired: invalid).
+        append(
+            &mut outputs,
+            &s,
+            0,
+            &[("LEAK/z.wav", 0xA), ("LEAK/a.wav", 0xD)],
+        );
+        append(&mut outputs, &s, 1, &[("NORMAL/b2.wav", 0xB)]);
+        outputs.set_valid(0, 1, false).unwrap();
+        outputs.commit().unwrap();
+        outputs.close().unwrap();
+
+        let adopted = adopt_tail(&s, &manifest).unwrap().expect("rows to adopt");
+        assert_eq!(
+            adopted,
+            Adopted {
+                rows: [2, 1, 0],
+                superseded: 1
+            }
+        );
+        assert_eq!(manifest.rows().unwrap(), [4, 2, 0]);
+        let content = |h: u8| manifest.get_content(&[h; 32]).unwrap().unwrap();
+        let at = |split, row| Some(RowRef { split, row });
+        // A lost its only path to D: invalid, its row kept. The second A row is nobody's.
+        assert_eq!((content(0xA).row, content(0xA).valid), (at(0, 0), false));
+        assert!(content(0xA).paths.is_empty());
+        assert_eq!(content(0xD).row, at(0, 3));
+        assert!(content(0xD).valid && content(0xD).paths == ["LEAK/a.wav"]);
+        // B's row is the new one; LEAK/b.wav left B in that batch, and is read again.
+        assert_eq!((content(0xB).row, content(0xB).valid), (at(1, 1), true));
+        assert_eq!(content(0xB).paths, ["LEAK/b.wav", "NORMAL/b2.wav"]);
+        assert_eq!(content(0xC).row, at(1, 0));
+        for p in ["LEAK/a.wav", "LEAK/b.wav", "NORMAL/b2.wav"] {
+            assert_eq!(manifest.get_file(p).unwrap().unwrap().size, u64::MAX, "{p}");
+        }
+        assert!(manifest.get_file("LEAK/z.wav").unwrap().is_none());
+        assert_eq!(
+            manifest.get_file("NORMAL/c.wav").unwrap().unwrap().size,
+            100
+        );
+        // The outputs: the retired, emptied and superseded rows invalid, no row cut.
+        let cols = crate::output::read::read(&s).unwrap();
+        let valid: Vec<Vec<u8>> = cols.splits.iter().map(|c| c.valid.clone()).collect();
+        assert_eq!(valid[0], [0, 0, 0, 1]);
+        assert_eq!(valid[1], [1, 1]);
+        // Done: nothing left to adopt.
+        assert!(adopt_tail(&s, &manifest).unwrap().is_none());
+    }
 }

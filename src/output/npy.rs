@@ -124,6 +124,19 @@ impl NpySink {
     /// smallest header shape; rows past it are a crashed writer's partial batch).
     ///
     /// `keep`: as for [`super::hdf5::Hdf5Sink::open_append`], rows past it are reclaimed too.
+    /// The rows [`NpySink::open_append`] takes as committed (the smallest header shape of the
+    /// columns), read without opening anything for writing.
+    pub fn committed_rows_on_disk(dir: &Path, header: &OutputHeader) -> Result<u64> {
+        let mut rows = u64::MAX;
+        for spec in columns(header) {
+            let path = dir.join(format!("{}.npy", spec.name));
+            let mut file =
+                File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+            rows = rows.min(read_npy_header(&mut file, &spec, &path)?.1);
+        }
+        Ok(if rows == u64::MAX { 0 } else { rows })
+    }
+
     pub fn open_append(dir: &Path, header: &OutputHeader, keep: Option<u64>) -> Result<Self> {
         let attrs_path = dir.join(ATTRIBUTES);
         let text = std::fs::read_to_string(&attrs_path)

@@ -42,6 +42,16 @@ impl Service {
         Service::spawn_cmd(world, world.cmd(&["--verbose", "run"]))
     }
 
+    /// Start `run` with fail points (`FAILPOINTS`, see the `failpoints` feature in Cargo.toml:
+    /// the binary `cargo test` builds has them), and wait until it is up.
+    pub fn start_failing(world: &World, failpoints: &str) -> Service {
+        let mut cmd = world.cmd(&["--verbose", "run"]);
+        cmd.env("FAILPOINTS", failpoints);
+        let s = Service::spawn_cmd(world, cmd);
+        s.wait("service up", |st| st["service"].is_object());
+        s
+    }
+
     fn spawn_cmd(world: &World, mut cmd: std::process::Command) -> Service {
         // A snapshot left by an earlier (killed) run must not pass for this one's.
         let _ = std::fs::remove_file(world.state().join("status.json"));
