@@ -120,14 +120,14 @@ impl Hdf5Sink {
             Err(e) => return Err(e).with_context(|| format!("removing {}", partial.display())),
         }
         let file = File::with_options()
-            .set_fapl(&file_access()?)?
+            .set_fapl(&file_access(header)?)?
             .create_excl(&partial)
             .with_context(|| format!("{}: creating HDF5 file", partial.display()))?;
         let specs = columns(header);
         let mut cols = Vec::with_capacity(specs.len());
         for spec in specs {
             let mem_type = memory_type(spec.dtype)?;
-            let chunk_rows = (CHUNK_BYTES / spec.row_bytes()).clamp(1, MAX_CHUNK_ROWS);
+            let chunk_rows = chunk_rows(&spec);
             let mut extents = vec![Extent::resizable(0)];
             extents.extend(spec.row_dims.iter().map(|&d| Extent::fixed(d)));
             let mut chunk = vec![chunk_rows];
@@ -213,7 +213,7 @@ impl Hdf5Sink {
         if !path.exists() {
             bail!("{}: no such file", path.display());
         }
-        let file = match open_rw(path, false) {
+        let file = match open_rw(path, header, false) {
             Ok(f) => f,
             // HDF5's "file is already open for write (may use <h5clear file> ...)".
             Err(first) if format!("{first:#}").contains("h5clear") => {
@@ -221,7 +221,7 @@ impl Hdf5Sink {
                     "{}: {first:#}; assuming its writer was killed and recovering it",
                     path.display()
                 );
-                open_rw(path, true).with_context(|| {
+                open_rw(path, header, true).with_context(|| {
                     format!(
                         "{}: cannot be opened for appending even with HDF5's status flags \
                          cleared (first attempt: {first:#}); if it stays unreadable, move it away \
@@ -677,19 +677,43 @@ fn memory_type(t: ColumnType) -> Result<Datatype> {
     })
 }
 
-/// File-access settings for every open: v1.10 format, no file locking, bigger chunk cache.
-fn file_access() -> Result<FileAccess> {
+/// Rows per chunk of a column: [`CHUNK_BYTES`] of whole rows, at least one.
+fn chunk_rows(spec: &ColumnSpec) -> usize {
+    (CHUNK_BYTES / spec.row_bytes()).clamp(1, MAX_CHUNK_ROWS)
+}
+
+/// `(threshold, alignment)` for `H5Pset_alignment`: every allocation at least as big as a
+/// `segments_mel` chunk starts at a multiple of the features' row size, so every row of
+/// `segments_mel` lies at a multiple of its own size in the file (see [`CHUNK_BYTES`]).
+/// Smaller objects (metadata, the narrow columns' chunks below that size) are not padded;
+/// the few narrow columns whose chunks are as big (`blake3`, the string columns) are.
+/// Alignment is a property of the open, not of the file: every open for writing (create,
+/// `open_append`) sets it, so chunks the service appends are aligned as `rebuild`'s are.
+fn feature_alignment(header: &OutputHeader) -> (u64, u64) {
+    let mel = columns(header)
+        .into_iter()
+        .find(|c| c.name == "segments_mel")
+        .expect("every layout has segments_mel");
+    let row = mel.row_bytes() as u64;
+    (chunk_rows(&mel) as u64 * row, row)
+}
+
+/// File-access settings for every open: v1.10 format, no file locking, bigger chunk cache,
+/// feature chunks aligned to rows ([`feature_alignment`]).
+fn file_access(header: &OutputHeader) -> Result<FileAccess> {
+    let (threshold, alignment) = feature_alignment(header);
     Ok(FileAccess::build()
         .libver_bounds(LibraryVersion::V110, LibraryVersion::V110)
         .file_locking(false)
         .chunk_cache(CHUNK_CACHE_SLOTS, CHUNK_CACHE_BYTES, 1.0)
+        .alignment(threshold, alignment)
         .finish()?)
 }
 
 /// Open read-write; with `clear_flags`, first clear the superblock's "open for write" status
 /// flags a killed writer left (what `h5clear -s` does, through the same property).
-fn open_rw(path: &Path, clear_flags: bool) -> Result<File> {
-    let fapl = file_access()?;
+fn open_rw(path: &Path, header: &OutputHeader, clear_flags: bool) -> Result<File> {
+    let fapl = file_access(header)?;
     let name = CString::new(path.as_os_str().as_encoded_bytes())
         .with_context(|| format!("{}: path contains a NUL byte", path.display()))?;
     let prop = CString::new(CLEAR_STATUS_FLAGS).unwrap();
