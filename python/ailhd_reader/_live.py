@@ -23,7 +23,7 @@ How it reads, and why:
   of a block of >= 256 bytes: ailhd aligns its `segments_mel` chunks to the row size (HDF5's
   file-space alignment, in `rebuild` and in the service alike), so its rows are whole blocks.
   Files from other writers (or from ailhd before it aligned them) are read by fancy indexing a
-  byte view into a new array (about 0.6x as fast, benches/reader.py). Each refresh checks rows
+  byte view into a new array (0.5-0.7x as fast, benches/reader.py). Each refresh checks rows
   read both ways against h5py's reads.
 
 Known limit: rows never move or disappear, except when the service, restarting after a crash,

@@ -13,6 +13,10 @@
 //!   place (h5py returns `bytes`; `json.loads` takes either). A variable-length attribute
 //!   rewritten under SWMR breaks readers: its value moves in the global heap, which SWMR
 //!   readers never refresh ("bad heap pointer", seen in testing).
+//! - Every `segments_mel` chunk starts at a multiple of the features' row size
+//!   (`H5Pset_alignment`, see [`CHUNK_BYTES`]), so readers that map the file gather rows as
+//!   whole blocks. Alignment is a setting of the open, not stored in the file: every open for
+//!   writing sets it (create and [`Hdf5Sink::open_append`]); the format is unchanged.
 //! - File locking is disabled on every open: HDF5's advisory `flock` would let a reader that
 //!   holds the file for days (a trainer) block the service from opening it. One writer at a
 //!   time is the caller's job (the writer lock under `paths.state`).
@@ -58,14 +62,15 @@ use std::path::{Path, PathBuf};
 /// Every allocation of at least one `segments_mel` chunk is aligned to the row size
 /// ([`feature_alignment`]), so every feature row lies at a multiple of its own size and
 /// `ailhd_reader` gathers whole rows from a map of the file (`np.take`) instead of fancy
-/// indexing a byte view. Measured with `benches/reader.py` on the same 39,563-clip rebuild
-/// (27,598 training rows, 2-vCPU VM, outputs on ext4): random batches of 5,632 rows at
-/// 535k-548k rows/s (10.6-11.3x the naive h5py loop's 48k-50k) against 325k-353k (6.7-7.0x)
-/// on an unaligned copy in the same runs; npy 614k-623k. A row-size alignment (not 4 KiB)
-/// because the reader's block is the largest common divisor of the row size and the offsets:
-/// 4 KiB would give blocks of 2 KiB for 10,240-byte rows, and less for other feature shapes.
-/// Cost: 0.35% bigger files in that rebuild (training 293,990,400 bytes, was 292,954,547), as
-/// chunks already follow each other at multiples of the row size; service-made files alike.
+/// indexing a byte view. Measured with `benches/reader.py` on one 39,563-clip rebuild (27,598
+/// training rows, 2-vCPU VM, load about 1, three runs): random batches of 5,632 rows at
+/// 527k-548k rows/s, 10.6-11.9x the naive h5py loop (44k-50k), against 245k-353k (5.5-7.0x) on
+/// an unaligned copy in the same runs; npy 571k-623k. The block is the largest common divisor
+/// of the row size and the offsets: with 4 KiB alignment it would be 2 KiB for 10,240-byte rows
+/// (and smaller for other feature shapes), and 2 KiB blocks gathered 475k rows/s where whole
+/// rows gathered 545k (same file, same batches). Cost: 0.35% bigger files in that rebuild
+/// (training 293,990,400 bytes, was 292,954,547) as chunks mostly follow each other at
+/// multiples of the row size anyway; about as much in files the service appends to.
 const CHUNK_BYTES: usize = 64 << 10;
 /// Chunk rows cap for the narrow columns (labels, valid...): 4096 rows is 4-32 KiB there.
 const MAX_CHUNK_ROWS: usize = 4096;
