@@ -532,3 +532,112 @@ fn open_append_reclaims_rows_past_keep() {
     let sink = Hdf5Sink::open_append(&path, &h, false, None).unwrap();
     assert_eq!(sink.committed_rows(), 3);
 }
+
+/// Where HDF5 put `segments_mel`'s chunks (h5py's chunk index query): asserts that there is one
+/// per `chunk_rows` rows and that each starts at a multiple of the row size, so that every row
+/// does and `ailhd_reader` gathers whole rows from a map of the file. Also asserts that the
+/// padding this costs is small: the file is at most 4% + 64 KiB bigger than its chunks (with a
+/// threshold that let small objects be aligned too, each would be padded to a row: +8% here).
+fn assert_feature_rows_aligned(path: &Path, rows: u64, what: &str) {
+    let out = py(&["chunks", path.to_str().unwrap()]);
+    let mel = &out["datasets"]["segments_mel"];
+    let row_bytes = mel["row_bytes"].as_u64().unwrap();
+    let chunk_rows = mel["chunk_rows"].as_u64().unwrap();
+    let offsets: Vec<u64> = mel["offsets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert_eq!(mel["rows"].as_u64(), Some(rows), "{what}: {mel}");
+    assert_eq!(
+        offsets.len() as u64,
+        rows.div_ceil(chunk_rows),
+        "{what}: {mel}"
+    );
+    let off: Vec<(usize, u64)> = offsets
+        .iter()
+        .enumerate()
+        .filter(|(_, &o)| o % row_bytes != 0)
+        .map(|(k, &o)| (k, o))
+        .collect();
+    assert!(
+        off.is_empty(),
+        "{what}: {} of {} segments_mel chunks do not start at a multiple of the row size \
+         ({row_bytes} bytes); (chunk, offset): {off:?}",
+        off.len(),
+        offsets.len()
+    );
+    let chunks: u64 = out["datasets"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|d| {
+            d["offsets"].as_array().unwrap().len() as u64
+                * d["chunk_rows"].as_u64().unwrap()
+                * d["row_bytes"].as_u64().unwrap()
+        })
+        .sum();
+    let file = out["file_bytes"].as_u64().unwrap();
+    eprintln!("{what}: file {file} bytes, chunks {chunks} bytes");
+    assert!(
+        file <= chunks + chunks / 25 + (64 << 10),
+        "{what}: the file has {file} bytes for {chunks} bytes of chunks"
+    );
+}
+
+/// Every `segments_mel` chunk starts at a multiple of the features' row size: in a file written
+/// in bulk (as `rebuild` writes), then appended to a few rows per commit in SWMR mode after a
+/// reopen (as the service appends), and in a file the service creates; for the default
+/// features (rows of 10,240 bytes) and for rows of 7,680 bytes with the waveform stored (so a
+/// power-of-two alignment would not do).
+#[test]
+fn feature_chunks_start_at_multiples_of_the_row_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let other = OutputHeader {
+        features: FeatureSettings {
+            n_mels: 48,
+            store_waveform: true,
+            ..FeatureSettings::default()
+        },
+        ..header(false)
+    };
+    for (what, h) in [("default", header(false)), ("n_mels 48 + waveform", other)] {
+        let bulk = dir.path().join(format!("{what}-bulk.H5"));
+        let mut sink = Hdf5Sink::create(&bulk, &h, false).unwrap();
+        for _ in 0..5 {
+            append(&mut sink, &h, 100);
+        }
+        sink.commit().unwrap();
+        Box::new(sink).close().unwrap();
+        assert_feature_rows_aligned(&bulk, 500, &format!("{what}, bulk"));
+
+        let mut n = 500;
+        let mut sink = Hdf5Sink::open_append(&bulk, &h, true, None).unwrap();
+        for k in 0..40 {
+            n += 1 + k % 3;
+            append(&mut sink, &h, 1 + k as usize % 3);
+            if k % 7 == 0 {
+                sink.set_valid(k, false).unwrap();
+            }
+            sink.commit().unwrap();
+        }
+        Box::new(sink).close().unwrap();
+        assert_feature_rows_aligned(&bulk, n, &format!("{what}, bulk then appended"));
+
+        let live = dir.path().join(format!("{what}-live.H5"));
+        let mut sink = Hdf5Sink::create(&live, &h, true).unwrap();
+        for k in 0..60 {
+            append(&mut sink, &h, 1 + k % 2);
+            sink.commit().unwrap();
+        }
+        Box::new(sink).close().unwrap();
+        let mut sink = Hdf5Sink::open_append(&live, &h, true, None).unwrap();
+        for _ in 0..10 {
+            append(&mut sink, &h, 1);
+            sink.commit().unwrap();
+        }
+        Box::new(sink).close().unwrap();
+        assert_feature_rows_aligned(&live, 100, &format!("{what}, service-made"));
+    }
+}

@@ -1,11 +1,14 @@
 //! The trainer's reader, `ailhd_reader` (python/), on outputs made by the real binary: equal to
 //! h5py's raw reads on every split and both sources, committed and valid rows only, worker
 //! processes; following the real `ailhd run` service while it appends, supersedes, deletes,
-//! moves, stops and restarts; and the package installs with pip.
+//! moves, stops and restarts; the feature rows of files `rebuild` wrote and the service then
+//! appended to stay aligned (the reader's fast path) and readable by Debian's h5dump 1.10; and the
+//! package installs with pip.
 
 mod common;
+use common::service::*;
 use common::*;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const FAST: &str = "[ingest]\nsettle_ms = 100\nquarantine_after_s = 2\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n";
@@ -58,6 +61,67 @@ fn reader_follows_the_running_service() {
     );
     println!("{text}");
     assert!(text.contains("reader_live: OK"), "{text}");
+}
+
+/// `h5dump -d segments_mel -b FILE` (HDF5 1.10's own reader; `-b FILE`: the bytes as stored)
+/// of every split into `bins`, as `<file name>.bin`.
+fn h5dump_features(out: &Path, bins: &Path) {
+    std::fs::create_dir_all(bins).unwrap();
+    for name in [
+        "TRAINING_DATASET.H5",
+        "VALIDATION_DATASET.H5",
+        "TESTING_DATASET.H5",
+    ] {
+        let o = Command::new("h5dump")
+            .args(["-d", "segments_mel", "-b", "FILE", "-o"])
+            .arg(bins.join(format!("{name}.bin")))
+            .arg(out.join(name))
+            .output()
+            .expect("h5dump (Debian's hdf5-tools, HDF5 1.10) is needed: .ci/setup installs it");
+        ok(&o);
+    }
+}
+
+/// The files `rebuild` writes and the service then appends to keep every `segments_mel` chunk
+/// at a multiple of the row size (so the reader gathers whole rows: its fast path), checked
+/// after the rebuild, while the service appends, and after it stops; and h5dump 1.10 reads
+/// the appended file's features as h5py does.
+#[test]
+fn rebuilt_then_appended_files_keep_feature_rows_aligned() {
+    let world = World::new(FAST);
+    let labels = ["BACKGROUND", "LEAK", "NORMAL"];
+    let written = ailhd::synth::write_tree(&world.rec(), &labels, 10, 21).unwrap();
+    ok(&world.run(&["rebuild"]));
+    let text = python("reader_aligned.py", &[&world.out()]);
+    println!("after rebuild:\n{text}");
+
+    let svc = Service::start(&world);
+    let n = written.len();
+    for i in 0..24 {
+        let label = labels[i % 3];
+        let bytes = ailhd::synth::wav_pcm16(
+            &ailhd::synth::clip(label, 7000 + i as u64, 4096, 10.0),
+            4096,
+        );
+        write_via_rename(
+            &world.rec(),
+            &format!("{label}/{}", ailhd::synth::file_name(1000 + i, 21)),
+            &bytes,
+        );
+        if i % 5 == 4 {
+            std::thread::sleep(std::time::Duration::from_millis(150));
+        }
+    }
+    svc.wait("24 more files committed", |s| {
+        committed(s) == (n + 24) as u64
+    });
+    let text = python("reader_aligned.py", &[&world.out()]);
+    println!("while the service runs:\n{text}");
+    svc.terminate();
+    let bins = world.dir.path().join("h5dump");
+    h5dump_features(&world.out(), &bins);
+    let text = python("reader_aligned.py", &[&world.out(), &bins]);
+    println!("after it stopped:\n{text}");
 }
 
 /// `pip install ./python` works: build the wheel (no network: the build backend installed

@@ -8,6 +8,7 @@ tests/output_support/mod.rs). Prints one JSON object; exits non-zero with a mess
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -282,6 +283,33 @@ def cmd_hold(args):
     f.close()
 
 
+def cmd_chunks(args):
+    """Where each chunked dataset's chunks lie in the file (HDF5's chunk index, through h5py):
+    {name: {"row_bytes", "chunk_rows", "offsets": [byte offset of each chunk, in row order]}}
+    and the file's size."""
+    import h5py
+
+    kw = dict(libver="latest", swmr=True) if args.mode == "swmr" else {}
+    out = {}
+    with h5py.File(args.path, "r", locking=False, **kw) as f:
+        for name, d in f.items():
+            if d.chunks is None:
+                continue
+            found = []
+
+            def visit(info, found=found):
+                found.append((info.chunk_offset[0], info.byte_offset))
+
+            d.id.chunk_iter(visit)
+            out[name] = dict(
+                row_bytes=int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize,
+                chunk_rows=d.chunks[0],
+                rows=d.shape[0],
+                offsets=[int(o) for _, o in sorted(found)],
+            )
+    print(json.dumps(dict(datasets=out, file_bytes=os.path.getsize(args.path))))
+
+
 def check_edit_tolerant(cols, lo, hi):
     """check_rows where valid/labels may have been edited in place by the writer. The two
     editable columns are copied once, so the expectation and the check read the same values."""
@@ -298,7 +326,7 @@ def check_edit_tolerant(cols, lo, hi):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["hdf5", "npy", "try-open", "swmr-follow", "npy-follow", "hold"])
+    p.add_argument("command", choices=["hdf5", "npy", "try-open", "swmr-follow", "npy-follow", "hold", "chunks"])
     p.add_argument("path")
     p.add_argument("--rows", type=int, default=0)
     p.add_argument("--mode", choices=["plain", "swmr"], default="plain")
@@ -320,6 +348,7 @@ def main():
             "swmr-follow": cmd_swmr_follow,
             "npy-follow": cmd_npy_follow,
             "hold": cmd_hold,
+            "chunks": cmd_chunks,
         }
         commands[args.command](args)
     except Mismatch as e:

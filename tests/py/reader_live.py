@@ -87,8 +87,13 @@ def paths(ds):
 
 def check_live(ds, what, rng):
     """Rows served lie below committed_rows and equal what h5py reads there (read after the
-    snapshot: committed rows never change)."""
+    snapshot: committed rows never change); HDF5 rows are gathered as whole rows (the chunks the
+    service appends are aligned to the row size)."""
     t = h5_truth(OUT, "training")
+    row_bytes = int(np.prod(t["segments_mel"].shape[1:])) * 2
+    if ds.source == "hdf5" and len(ds) and ds._block != row_bytes:
+        fail(f"{what}: rows gathered in blocks of {ds._block} bytes, not whole rows ({row_bytes}): "
+             f"direct={ds.direct}; are the service's appended chunks aligned?")
     if len(ds) and ds.rows.max() >= t["committed"]:
         fail(f"{what}: row {ds.rows.max()} served, committed_rows is {t['committed']}")
     if len(ds):

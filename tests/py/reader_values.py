@@ -1,7 +1,9 @@
 """ailhd_reader on the outputs of `ailhd rebuild`: every split, both sources, equal to h5py's raw
 reads; then on copies made to look like a writer caught mid-commit (rows past committed_rows,
 rows set invalid) that only refresh() may reveal; pickling and worker processes (fork, spawn);
-a replaced output; batch output buffers reused only when free; HDF5 chunks aligned to rows.
+a replaced output; batch output buffers reused only when free; ailhd's HDF5 rows gathered as
+whole-row blocks (its chunks are aligned to the row size), and a copy without that alignment
+read by the other path (fancy indexing) with the same values.
 usage: reader_values.py OUTPUT_DIR SCRATCH_DIR"""
 
 import json
@@ -37,6 +39,10 @@ def all_splits(out, rng):
                 ds = LiveDataset(out, split, source)
             if not ds.direct:
                 fail(f"{split}/{source}: not reading direct")
+            row_bytes = int(np.prod(t["segments_mel"].shape[1:])) * 2
+            if source == "hdf5" and len(ds) and ds._block != row_bytes:
+                fail(f"{split}/hdf5: rows gathered in blocks of {ds._block} bytes, not whole rows "
+                     f"({row_bytes}): ailhd's chunks are no longer aligned to the row size?")
             check_dataset(ds, t, f"{split}/{source}", rng)
             seen += len(ds)
         slow = LiveDataset(out, split, "hdf5", direct=False)
@@ -255,11 +261,11 @@ def reused_outputs(ds, t, what, rng):
     print(f"{what}: batch outputs reused only once nothing refers to them")
 
 
-def copy_aligned(src, dst, align):
-    """src's datasets, rewritten by h5py with chunks at multiples of `align` bytes."""
+def copy_unaligned(src, dst):
+    """src's datasets, rewritten by h5py with the same chunks but no file-space alignment (as
+    other writers, and ailhd before it aligned its chunks, lay them out)."""
     with h5py.File(src, "r", libver="latest", swmr=True, locking=False) as f, h5py.File(
-            dst, "w", libver=("v110", "v110"), alignment_threshold=1,
-            alignment_interval=align) as g:
+            dst, "w", libver=("v110", "v110")) as g:
         for name, d in f.items():
             if d.chunks is None:
                 g.create_dataset(name, data=d[:])
@@ -269,22 +275,19 @@ def copy_aligned(src, dst, align):
             g.attrs[k] = v
 
 
-def aligned_hdf5(out, scratch, rng):
-    """A file whose chunks lie at multiples of the row size is read by whole rows (np.take from
-    the file as an array of blocks) and gives the same rows."""
-    d = os.path.join(scratch, "aligned")
+def unaligned_hdf5(out, scratch, rng):
+    """A file whose chunks lie at arbitrary offsets is read by the fancy-indexing path and gives
+    the same rows."""
+    d = os.path.join(scratch, "unaligned")
     os.makedirs(d)
     src = os.path.join(out, SPLIT_FILES["training"])
-    t = h5_truth(out, "training")
-    row_bytes = int(np.prod(t["segments_mel"].shape[1:])) * 2
-    in_child(copy_aligned, src, os.path.join(d, SPLIT_FILES["training"]), row_bytes)
+    in_child(copy_unaligned, src, os.path.join(d, SPLIT_FILES["training"]))
     ds = LiveDataset(d, "training", "hdf5")
-    if ds._block != row_bytes:
-        fail(f"aligned copy: rows read in blocks of {ds._block}, expected whole rows ({row_bytes})")
-    t = h5_truth(d, "training")
-    check_dataset(ds, t, "hdf5 aligned copy", rng)
-    reused_outputs(ds, t, "hdf5 aligned copy", rng)
-    print("hdf5 with chunks aligned to the row size: read by whole rows, same values")
+    if not ds.direct or ds._block != 0:
+        fail(f"unaligned copy: direct {ds.direct}, blocks of {ds._block} (expected the "
+             "fancy-indexing path: the copy's chunks should not all lie at multiples of 256)")
+    check_dataset(ds, h5_truth(d, "training"), "hdf5 unaligned copy", rng)
+    print("hdf5 with chunks at arbitrary offsets: read by fancy indexing, same values")
 
 
 def main():
@@ -295,8 +298,10 @@ def main():
     mid_commit_hdf5(out, scratch, rng)
     mid_commit_npy(out, scratch, rng)
     replaced(out, scratch, rng)
-    reused_outputs(LiveDataset(out, "training", "npy"), h5_truth(out, "training"), "npy", rng)
-    aligned_hdf5(out, scratch, rng)
+    t = h5_truth(out, "training")
+    reused_outputs(LiveDataset(out, "training", "npy"), t, "npy", rng)
+    reused_outputs(LiveDataset(out, "training", "hdf5"), t, "hdf5", rng)
+    unaligned_hdf5(out, scratch, rng)
     for bad, kw in (("nowhere", {}), (out, {"split": "train"}), (out, {"source": "zarr"})):
         try:
             LiveDataset(bad, **kw)
