@@ -19,6 +19,8 @@ pub mod featurise;
 pub mod ledger;
 pub mod manifest;
 pub mod outcome;
+#[cfg(test)]
+mod property;
 pub mod recover;
 pub mod stages;
 
