@@ -74,6 +74,7 @@ fn settings(dir: &Path, name: &str) -> Settings {
 fn service(dir: &Path, contents: &[Vec<u8>], history: &[(usize, Option<usize>)], sizes: &[usize]) {
     let s = settings(dir, "live");
     let root = &s.paths.recordings;
+    std::fs::create_dir_all(root).unwrap();
     let mut engine = Engine::open_live(&s, DeviceChoice::Cpu).unwrap();
     let mut steps = history.iter();
     for &size in sizes.iter().cycle() {
