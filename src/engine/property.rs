@@ -103,53 +103,34 @@ fn service(dir: &Path, contents: &[Vec<u8>], history: &[(usize, Option<usize>)],
         // Batches are not waited for one by one: the next is decided while earlier ones are
         // featurised and committed, as in the service.
         engine.submit(inputs).unwrap();
-        let mut reread: Vec<String> = engine
+        let reread: Vec<String> = engine
             .completed()
             .unwrap()
             .into_iter()
             .flat_map(|d| d.reread)
             .collect();
-        while !reread.is_empty() {
-            engine.wait().unwrap();
-            engine
-                .submit(
-                    reread
-                        .drain(..)
-                        .map(|rel| Input::Load { rel, seen: None })
-                        .collect(),
-                )
-                .unwrap();
-            reread = engine
-                .wait()
-                .unwrap()
-                .into_iter()
-                .flat_map(|d| d.reread)
-                .collect();
+        if !reread.is_empty() {
+            load_again(&mut engine, reread);
         }
     }
-    let mut reread: Vec<String> = engine
-        .wait()
-        .unwrap()
-        .into_iter()
-        .flat_map(|d| d.reread)
-        .collect();
-    while !reread.is_empty() {
-        engine
-            .submit(
-                reread
-                    .drain(..)
-                    .map(|rel| Input::Load { rel, seen: None })
-                    .collect(),
-            )
-            .unwrap();
-        reread = engine
-            .wait()
-            .unwrap()
-            .into_iter()
-            .flat_map(|d| d.reread)
-            .collect();
-    }
+    load_again(&mut engine, Vec::new());
     engine.finish().unwrap();
+}
+
+/// Wait for everything submitted, loading again the paths the engine asks to read again (as
+/// the service does), until none is left.
+fn load_again(engine: &mut Engine, mut reread: Vec<String>) {
+    loop {
+        reread.extend(engine.wait().unwrap().into_iter().flat_map(|d| d.reread));
+        if reread.is_empty() {
+            return;
+        }
+        let inputs = reread
+            .drain(..)
+            .map(|rel| Input::Load { rel, seen: None })
+            .collect();
+        engine.submit(inputs).unwrap();
+    }
 }
 
 fn history() -> impl Strategy<Value = (Vec<(usize, Option<usize>)>, Vec<usize>)> {
