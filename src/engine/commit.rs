@@ -160,15 +160,7 @@ impl Committer {
             b.put_rows(split, *n);
         }
         if let Some(labels) = &plan.labels {
-            let appended = &labels[self.configured_labels.min(labels.len())..];
-            b.put_meta(
-                "appended_labels",
-                &serde_json::to_string(appended).expect("strings serialise"),
-            );
-            b.put_meta(
-                "labels",
-                &serde_json::to_string(labels).expect("strings serialise"),
-            );
+            b.put_labels(labels, self.configured_labels);
         }
         b
     }

@@ -156,6 +156,14 @@ impl ManifestBatch {
         self.meta.insert(key.as_bytes(), value.as_bytes());
         self.len += 1;
     }
+    /// The whole label list (`labels`), and the names past the first `configured` (the
+    /// configured `labels.names`) as `appended_labels`, which keep their ids across rebuilds.
+    pub fn put_labels(&mut self, labels: &[String], configured: usize) {
+        let appended = &labels[configured.min(labels.len())..];
+        let json = |l: &[String]| serde_json::to_string(l).expect("strings serialise");
+        self.put_meta("labels", &json(labels));
+        self.put_meta("appended_labels", &json(appended));
+    }
 }
 
 /// sled releases its file lock from a background thread after the last handle is dropped, so a

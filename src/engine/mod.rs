@@ -247,10 +247,10 @@ impl Engine {
         };
         let outputs = OutputSet::create(out_dir, &settings.outputs, &header, false)?;
         let manifest = Manifest::open(manifest_dir)?;
-        manifest.set_meta("feature_fingerprint", &settings.features.fingerprint())?;
-        let appended = &labels.names[settings.labels.names.len().min(labels.names.len())..];
-        manifest.set_meta("appended_labels", &serde_json::to_string(appended)?)?;
-        manifest.set_meta("labels", &serde_json::to_string(&labels.names)?)?;
+        let mut meta = manifest::ManifestBatch::default();
+        meta.put_meta("feature_fingerprint", &settings.features.fingerprint());
+        meta.put_labels(&labels.names, settings.labels.names.len());
+        manifest.apply(meta)?;
         Ok(Engine::start(
             settings, labels, [0; 3], manifest, outputs, featuriser, false,
         ))

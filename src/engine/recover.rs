@@ -181,12 +181,7 @@ pub fn from_outputs(settings: &Settings, manifest: &Manifest) -> Result<Option<R
         batch.put_rows(split, rows);
     }
     let labels = label_names.unwrap_or_else(|| settings.labels.names.clone());
-    let configured = settings.labels.names.len().min(labels.len());
-    batch.put_meta("labels", &serde_json::to_string(&labels)?);
-    batch.put_meta(
-        "appended_labels",
-        &serde_json::to_string(&labels[configured..])?,
-    );
+    batch.put_labels(&labels, settings.labels.names.len());
     manifest.apply(batch)?;
     manifest.flush()?;
     Ok(Some(found))
@@ -429,12 +424,7 @@ pub fn adopt_tail(settings: &Settings, manifest: &Manifest) -> Result<Option<Ado
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default();
     if labels.len() > stored.len() && labels.starts_with(&stored) {
-        let configured = settings.labels.names.len().min(labels.len());
-        batch.put_meta("labels", &serde_json::to_string(&labels)?);
-        batch.put_meta(
-            "appended_labels",
-            &serde_json::to_string(&labels[configured..])?,
-        );
+        batch.put_labels(&labels, settings.labels.names.len());
     }
     manifest.apply(batch)?;
     manifest.flush()?;
