@@ -656,33 +656,18 @@ fn write_rows(
     rows: u64,
     bytes: &[u8],
 ) -> Result<()> {
-    let row_dims: Vec<u64> = ds.shape()[1..].iter().map(|&d| d as u64).collect();
-    let mut start = vec![first];
-    start.extend(row_dims.iter().map(|_| 0));
-    let mut count = vec![rows];
-    count.extend(&row_dims);
-    let expected = mem_type.size() * count.iter().product::<u64>() as usize;
+    let Some(sel) = select_rows(ds, first, rows)? else {
+        assert!(bytes.is_empty(), "row bytes for no rows");
+        return Ok(());
+    };
+    let expected = mem_type.size() * sel.elements as usize;
     assert_eq!(bytes.len(), expected, "row bytes do not match the dataset");
     hdf5::sync::sync(|| unsafe {
-        let file_space = Space(hdf5::h5check(H5Dget_space(ds.id()))?);
-        hdf5::h5check(H5Sselect_hyperslab(
-            file_space.0,
-            H5S_seloper_t::H5S_SELECT_SET,
-            start.as_ptr(),
-            std::ptr::null(),
-            count.as_ptr(),
-            std::ptr::null(),
-        ))?;
-        let mem_space = Space(hdf5::h5check(H5Screate_simple(
-            count.len() as c_int,
-            count.as_ptr(),
-            std::ptr::null(),
-        ))?);
         hdf5::h5check(H5Dwrite(
             ds.id(),
             mem_type.id(),
-            mem_space.0,
-            file_space.0,
+            sel.mem.0,
+            sel.file.0,
             H5P_DEFAULT,
             bytes.as_ptr() as *const c_void,
         ))?;
@@ -690,13 +675,63 @@ fn write_rows(
     })
 }
 
-/// A dataspace id, closed on drop.
-struct Space(hid_t);
+/// Whole rows of a dataset, selected for one H5Dread or H5Dwrite ([`select_rows`]).
+pub(crate) struct RowSelection {
+    pub file: Id,
+    pub mem: Id,
+    /// Elements selected (rows times the elements of a row).
+    pub elements: u64,
+}
 
-impl Drop for Space {
+/// Rows `first..first + rows` of `ds`: the file's dataspace with that hyperslab of whole rows
+/// selected, and the matching memory space. None when the selection holds no element.
+pub(crate) fn select_rows(ds: &Dataset, first: u64, rows: u64) -> Result<Option<RowSelection>> {
+    let row_dims: Vec<u64> = ds.shape()[1..].iter().map(|&d| d as u64).collect();
+    let mut start = vec![first];
+    start.extend(row_dims.iter().map(|_| 0));
+    let mut count = vec![rows];
+    count.extend(&row_dims);
+    let elements: u64 = count.iter().product();
+    if elements == 0 {
+        return Ok(None);
+    }
+    let spaces = hdf5::sync::sync(|| unsafe {
+        let file = Id(hdf5::h5check(H5Dget_space(ds.id()))?, H5Sclose);
+        hdf5::h5check(H5Sselect_hyperslab(
+            file.0,
+            H5S_seloper_t::H5S_SELECT_SET,
+            start.as_ptr(),
+            std::ptr::null(),
+            count.as_ptr(),
+            std::ptr::null(),
+        ))?;
+        let mem = Id(
+            hdf5::h5check(H5Screate_simple(
+                count.len() as c_int,
+                count.as_ptr(),
+                std::ptr::null(),
+            ))?,
+            H5Sclose,
+        );
+        Ok::<_, hdf5::Error>((file, mem))
+    })?;
+    Ok(Some(RowSelection {
+        file: spaces.0,
+        mem: spaces.1,
+        elements,
+    }))
+}
+
+/// An HDF5 id closed on drop by its close function.
+pub(crate) struct Id(
+    pub hid_t,
+    pub unsafe extern "C" fn(hid_t) -> hdf5_sys::h5::herr_t,
+);
+
+impl Drop for Id {
     fn drop(&mut self) {
         unsafe {
-            H5Sclose(self.0);
+            (self.1)(self.0);
         }
     }
 }

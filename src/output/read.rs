@@ -10,18 +10,17 @@
 //! columns (whose header shape is the committed row count) are read instead.
 
 use crate::config::{Settings, SPLITS};
-use crate::output::hdf5::read_text_attr;
+pub(crate) use crate::output::hdf5::Id;
+use crate::output::hdf5::{read_text_attr, select_rows};
 use anyhow::{bail, Context, Result};
 use hdf5::file::FileAccess;
 use hdf5::types::TypeDescriptor;
 use hdf5::{Dataset, File};
-use hdf5_sys::h5d::{H5Dget_space, H5Dget_type, H5Dread, H5Drefresh};
+use hdf5_sys::h5d::{H5Dget_type, H5Dread, H5Drefresh};
 use hdf5_sys::h5f::{H5Fopen, H5F_ACC_RDONLY, H5F_ACC_SWMR_READ};
-use hdf5_sys::h5i::hid_t;
 use hdf5_sys::h5p::H5P_DEFAULT;
-use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab};
 use hdf5_sys::h5t::H5Tclose;
-use std::ffi::{c_int, c_void, CString};
+use std::ffi::{c_void, CString};
 use std::path::{Path, PathBuf};
 
 /// The committed rows of one split.
@@ -228,60 +227,23 @@ impl SwmrSplit {
 
 /// Rows `first..first + rows` of `ds` as the bytes of its own element type (no conversion).
 pub fn read_rows(ds: &Dataset, first: u64, rows: u64) -> Result<Vec<u8>> {
-    let row_dims: Vec<u64> = ds.shape()[1..].iter().map(|&d| d as u64).collect();
-    let mut start = vec![first];
-    start.extend(row_dims.iter().map(|_| 0));
-    let mut count = vec![rows];
-    count.extend(&row_dims);
-    let elements: u64 = count.iter().product();
-    if elements == 0 {
+    let Some(sel) = select_rows(ds, first, rows)? else {
         return Ok(Vec::new());
-    }
+    };
     hdf5::sync::sync(|| unsafe {
         let dtype = Id(hdf5::h5check(H5Dget_type(ds.id()))?, H5Tclose);
         let size = hdf5_sys::h5t::H5Tget_size(dtype.0);
-        let mut buf = vec![0u8; size * elements as usize];
-        let file_space = Id(hdf5::h5check(H5Dget_space(ds.id()))?, H5Sclose);
-        hdf5::h5check(H5Sselect_hyperslab(
-            file_space.0,
-            H5S_seloper_t::H5S_SELECT_SET,
-            start.as_ptr(),
-            std::ptr::null(),
-            count.as_ptr(),
-            std::ptr::null(),
-        ))?;
-        let mem_space = Id(
-            hdf5::h5check(H5Screate_simple(
-                count.len() as c_int,
-                count.as_ptr(),
-                std::ptr::null(),
-            ))?,
-            H5Sclose,
-        );
+        let mut buf = vec![0u8; size * sel.elements as usize];
         hdf5::h5check(H5Dread(
             ds.id(),
             dtype.0,
-            mem_space.0,
-            file_space.0,
+            sel.mem.0,
+            sel.file.0,
             H5P_DEFAULT,
             buf.as_mut_ptr() as *mut c_void,
         ))?;
         Ok(buf)
     })
-}
-
-/// An HDF5 id closed on drop by its close function.
-pub(crate) struct Id(
-    pub hid_t,
-    pub unsafe extern "C" fn(hid_t) -> hdf5_sys::h5::herr_t,
-);
-
-impl Drop for Id {
-    fn drop(&mut self) {
-        unsafe {
-            (self.1)(self.0);
-        }
-    }
 }
 
 fn refresh(ds: &Dataset) -> Result<()> {
