@@ -490,21 +490,6 @@ impl Engine {
         Ok(out)
     }
 
-    /// Wait for one batch to be durable, up to `timeout`.
-    pub fn wait_one(&mut self, timeout: Duration) -> anyhow::Result<Option<Done>> {
-        if self.in_flight == 0 {
-            return Ok(None);
-        }
-        match self.done.recv_timeout(timeout) {
-            Ok(r) => {
-                self.in_flight -= 1;
-                Ok(Some(r?))
-            }
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Ok(None),
-            Err(_) => bail!("the engine stopped: {}", self.stop_reason()),
-        }
-    }
-
     fn stop_reason(&mut self) -> String {
         match self.done.try_recv() {
             Ok(Err(e)) => format!("{e:#}"),
