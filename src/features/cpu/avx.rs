@@ -1,8 +1,11 @@
-//! The AVX2 implementation of [`Vector`]: eight f32 in one 256-bit register, eight f64 in two.
-//! Only compiled for x86_64 and only run where the CPU has AVX2 (`Plan::db_row_avx2`).
+//! The x86 implementations of [`Vector`]: eight f32 in one 256-bit register; eight f64 in two
+//! 256-bit registers (AVX2, [`AvxIsa`]) or in one 512-bit register (AVX-512, [`Avx512Isa`]: half
+//! the instructions and register pressure of the f64 FFT, which dominates the default settings).
+//! Only compiled for x86_64 and only run where the CPU has the instructions (`Plan::db_row`).
 //!
-//! SAFETY (for every `unsafe` block here): these types are only used through `AvxIsa`,
-//! which only `Plan::db_row_avx2` instantiates, and that runs only on CPUs with AVX2.
+//! SAFETY (for every `unsafe` block here): these types are only used through `AvxIsa` and
+//! `Avx512Isa`, which only `Plan::db_row_avx2` and `Plan::db_row_avx512` instantiate, and those
+//! run only on CPUs with AVX2, respectively AVX-512F (`Simd::detect`).
 
 use super::vector::{Isa, Lanes, Vector, LANES};
 use std::arch::x86_64::*;
@@ -11,6 +14,14 @@ pub(super) struct AvxIsa;
 impl Isa for AvxIsa {
     type F32 = Avx32;
     type F64 = Avx64;
+}
+
+/// AVX-512F: f32 as in AVX2, f64 in one 512-bit register. The same IEEE operations in the same
+/// order as the other builds, so the same bits.
+pub(super) struct Avx512Isa;
+impl Isa for Avx512Isa {
+    type F32 = Avx32;
+    type F64 = Avx512d;
 }
 
 #[derive(Clone, Copy)]
@@ -204,5 +215,77 @@ impl Vector for Avx64 {
                 Avx64(top_hi[3], bottom_hi[3]),
             ]
         }
+    }
+}
+
+/// Eight f64 in one 512-bit register.
+#[derive(Clone, Copy)]
+pub(super) struct Avx512d(__m512d);
+
+impl Vector for Avx512d {
+    type Elem = f64;
+    #[inline(always)]
+    fn splat(x: f64) -> Self {
+        unsafe { Avx512d(_mm512_set1_pd(x)) }
+    }
+    #[inline(always)]
+    fn load(a: &[f64; LANES]) -> Self {
+        unsafe { Avx512d(_mm512_loadu_pd(a.as_ptr())) }
+    }
+    #[inline(always)]
+    fn store(self, a: &mut [f64; LANES]) {
+        unsafe { _mm512_storeu_pd(a.as_mut_ptr(), self.0) }
+    }
+    #[inline(always)]
+    fn from_i16(a: &[i16]) -> Self {
+        let a = &a[..LANES];
+        unsafe {
+            let q = _mm_loadu_si128(a.as_ptr().cast());
+            Avx512d(_mm512_cvtepi32_pd(_mm256_cvtepi16_epi32(q)))
+        }
+    }
+    #[inline(always)]
+    fn from_f32(a: &[f32]) -> Self {
+        let a = &a[..LANES];
+        unsafe { Avx512d(_mm512_cvtps_pd(_mm256_loadu_ps(a.as_ptr()))) }
+    }
+    #[inline(always)]
+    fn to_f32(self) -> Lanes {
+        let mut a = [0.0; LANES];
+        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), _mm512_cvtpd_ps(self.0)) };
+        a
+    }
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        unsafe { Avx512d(_mm512_add_pd(self.0, o.0)) }
+    }
+    #[inline(always)]
+    fn sub(self, o: Self) -> Self {
+        unsafe { Avx512d(_mm512_sub_pd(self.0, o.0)) }
+    }
+    #[inline(always)]
+    fn mul(self, o: Self) -> Self {
+        unsafe { Avx512d(_mm512_mul_pd(self.0, o.0)) }
+    }
+    #[inline(always)]
+    fn sqrt(self) -> Self {
+        unsafe { Avx512d(_mm512_sqrt_pd(self.0)) }
+    }
+    /// Through memory: no kernel transposes f64 rows (the window loader transposes f32).
+    #[inline(always)]
+    fn transpose(r: [Self; LANES]) -> [Self; LANES] {
+        let mut rows = [[0.0; LANES]; LANES];
+        for (row, v) in rows.iter_mut().zip(r) {
+            v.store(row);
+        }
+        let mut cols = r;
+        for (l, col) in cols.iter_mut().enumerate() {
+            let mut c = [0.0; LANES];
+            for (x, row) in c.iter_mut().zip(&rows) {
+                *x = row[l];
+            }
+            *col = Self::load(&c);
+        }
+        cols
     }
 }

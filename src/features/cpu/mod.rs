@@ -63,11 +63,7 @@ impl CpuFeaturiser {
             "CPU featuriser: {}, {} threads, {}",
             plan.engine_name(),
             pool.current_num_threads(),
-            if plan.avx2 {
-                "AVX2"
-            } else {
-                "portable build (no AVX2)"
-            }
+            plan.simd.name()
         );
         Ok(CpuFeaturiser {
             local: plan.scratch(),

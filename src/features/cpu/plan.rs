@@ -38,8 +38,8 @@ pub(super) struct Plan {
     pub(super) frames: Vec<(usize, usize)>,
     pub(super) mel: SparseMel,
     pub(super) power: Power,
-    /// Run the AVX2 build of the same code (checked once, here).
-    pub(super) avx2: bool,
+    /// Which build of the same code runs (checked once, here).
+    pub(super) simd: Simd,
 }
 
 /// Per-thread working memory, sized once.
@@ -109,7 +109,7 @@ impl Plan {
             frames,
             mel: SparseMel::new(settings),
             power,
-            avx2: avx2_available(),
+            simd: Simd::detect(),
         })
     }
 
@@ -154,12 +154,14 @@ impl Plan {
     /// One recording's dB values, f32, into `s.row`. Deterministic: a value's arithmetic depends
     /// only on its own frame (lanes never mix), never on the batch, the thread or the build.
     pub(super) fn db_row(&self, wav: &Waveform, s: &mut Scratch) {
-        #[cfg(target_arch = "x86_64")]
-        if self.avx2 {
-            // SAFETY: `avx2` is only set when the CPU has AVX2 (`avx2_available`).
-            return unsafe { self.db_row_avx2(wav, s) };
+        match self.simd {
+            // SAFETY: `Simd::detect` only picks these where the CPU has the instructions.
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => unsafe { self.db_row_avx512(wav, s) },
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => unsafe { self.db_row_avx2(wav, s) },
+            _ => self.db_row_with::<PortableIsa>(wav, s),
         }
-        self.db_row_with::<PortableIsa>(wav, s)
     }
 
     /// The same code as the portable build, with 256-bit vectors.
@@ -167,6 +169,13 @@ impl Plan {
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn db_row_avx2(&self, wav: &Waveform, s: &mut Scratch) {
         self.db_row_with::<avx::AvxIsa>(wav, s)
+    }
+
+    /// The same code as the portable build, f64 in 512-bit vectors.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,avx512f")]
+    pub(super) unsafe fn db_row_avx512(&self, wav: &Waveform, s: &mut Scratch) {
+        self.db_row_with::<avx::Avx512Isa>(wav, s)
     }
 
     #[inline(always)]
@@ -261,13 +270,49 @@ impl Plan {
     }
 }
 
-pub(super) fn avx2_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2")
+/// The builds of the per-recording code; all give the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Simd {
+    /// Plain arrays: any CPU.
+    Portable,
+    /// 256-bit vectors.
+    Avx2,
+    /// f64 in 512-bit vectors (f32 as AVX2).
+    Avx512,
+}
+
+impl Simd {
+    /// The widest build this CPU runs.
+    pub(super) fn detect() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx2")
+            {
+                return Simd::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Portable
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+
+    /// Every build this CPU runs, narrowest first (for the tests that compare them).
+    #[cfg(test)]
+    pub(super) fn available() -> Vec<Simd> {
+        let widest = Simd::detect();
+        [Simd::Portable, Simd::Avx2, Simd::Avx512]
+            .into_iter()
+            .filter(|&s| s as u8 <= widest as u8)
+            .collect()
+    }
+
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Simd::Portable => "portable build (no AVX2)",
+            Simd::Avx2 => "AVX2",
+            Simd::Avx512 => "AVX-512",
+        }
     }
 }

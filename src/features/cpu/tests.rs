@@ -1,7 +1,7 @@
 //! The CPU featuriser against the float64 reference, across precisions, builds, batches and threads.
 
 use super::fft::Power;
-use super::plan::Engine;
+use super::plan::{Engine, Simd};
 use super::vector::{Bin, PortableIsa, LANES};
 use super::*;
 use crate::config::{DbMode, MelNorm, MelScale};
@@ -257,22 +257,32 @@ fn f32_fft_is_not_enough_for_magnitude_spectrograms() {
     assert_eq!(count, 0);
 }
 
-/// The AVX2 build and the portable build of the featuriser give the same bits.
+/// Every build of the featuriser this CPU runs (portable, AVX2, AVX-512) gives the same bits.
 #[test]
-fn avx2_and_portable_agree_bit_for_bit() {
+fn simd_builds_agree_bit_for_bit() {
+    let builds = Simd::available();
+    if builds.len() == 1 {
+        eprintln!("no AVX2 here: only the portable build runs, nothing to compare");
+        return;
+    }
     for settings in [FeatureSettings::default(), FeatureSettings::overlap32()] {
         for precision in [Precision::F32, Precision::F64] {
-            let plan = Plan::with_precision(&settings, precision).unwrap();
-            if !plan.avx2 {
-                eprintln!("no AVX2 here: nothing to compare");
-                return;
-            }
-            let (mut s1, mut s2) = (plan.scratch(), plan.scratch());
+            let mut plan = Plan::with_precision(&settings, precision).unwrap();
+            let mut reference = plan.scratch();
+            let mut s = plan.scratch();
             for (name, wav) in signals(settings.shape().num_samples) {
-                plan.db_row(&wav, &mut s1);
-                plan.db_row_with::<PortableIsa>(&wav, &mut s2);
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&s1.row), bits(&s2.row), "{name} {precision:?}");
+                plan.simd = Simd::Portable;
+                plan.db_row(&wav, &mut reference);
+                for &simd in &builds[1..] {
+                    plan.simd = simd;
+                    plan.db_row(&wav, &mut s);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&s.row),
+                        bits(&reference.row),
+                        "{name} {precision:?} {simd:?}"
+                    );
+                }
             }
         }
     }
