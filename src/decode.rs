@@ -530,7 +530,7 @@ fn check_data(
             present: len - 8,
         });
     }
-    if size % u32::from(fmt.block_align) != 0 {
+    if !size.is_multiple_of(u32::from(fmt.block_align)) {
         return Err(DecodeError::PartialFrame {
             data_len: size,
             block_align: fmt.block_align,

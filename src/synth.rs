@@ -69,7 +69,11 @@ pub fn clip(label: &str, seed: u64, sample_rate: u32, seconds: f64) -> Vec<i16> 
                     + 0.005 * noise
             }
             "CRACK" => {
-                let click = if rng.next_u64() % 2000 == 0 { 0.8 } else { 0.0 };
+                let click = if rng.next_u64().is_multiple_of(2000) {
+                    0.8
+                } else {
+                    0.0
+                };
                 lp = 0.95 * lp + click;
                 lp * (2.0 * std::f32::consts::PI * f0 * 4.0 * t).sin() + 0.01 * noise
             }
@@ -89,7 +93,7 @@ pub fn file_name(index: usize, seed: u64) -> String {
     let sensor = index % 17 + 1;
     let secs = 1_737_201_930 + index as i64 * 60;
     let dt = time::OffsetDateTime::from_unix_timestamp(secs).unwrap();
-    let gain = if (seed + index as u64) % 23 == 0 {
+    let gain = if (seed + index as u64).is_multiple_of(23) {
         1
     } else {
         100

@@ -261,7 +261,7 @@ fn swmr_reader_follows_the_writer() {
         step += 1;
         let n = (1 + step % 23).min(target - sink.len()) as usize;
         append(&mut sink, &h, n);
-        if step % 7 == 0 {
+        if step.is_multiple_of(7) {
             // In-place edits of committed rows while the reader reads them.
             let row = (step * 31) % sink.committed_rows().max(1);
             sink.set_valid(row, false).unwrap();

@@ -823,7 +823,7 @@ pub(crate) mod tests {
         fn path(i: usize, mode: SplitMode) -> String {
             let labels = ["LEAK", "NORMAL", "CRACK"];
             let top = if mode == SplitMode::Directory {
-                if i % 2 == 0 {
+                if i.is_multiple_of(2) {
                     "a/"
                 } else {
                     "b/"
