@@ -43,7 +43,7 @@ pub enum TouchKind {
     Closed,
     /// Renamed into place (the target of a rename, IN_MOVED_TO).
     MovedIn,
-    /// Listed by a walk of a folder that appeared (created or moved in); its state is unknown.
+    /// Listed by a walk of a folder that was created; its state is unknown.
     Found,
 }
 
@@ -281,7 +281,7 @@ impl Watcher {
             unwatched: Arc::clone(&unwatched),
         };
         // After the watch, so a folder created meanwhile is either listed here or reported.
-        translator.walk(&root, false, &mut |_| {});
+        translator.walk(&root, None, &mut |_| {});
 
         let worker = thread::Builder::new()
             .name("ailhd-watch".into())
@@ -471,7 +471,9 @@ impl Translator {
                 continue;
             }
             match event.kind {
-                EventKind::Create(CreateKind::Folder) => self.dir_appeared(abs, rel, emit),
+                EventKind::Create(CreateKind::Folder) => {
+                    self.dir_appeared(abs, rel, TouchKind::Found, emit)
+                }
                 EventKind::Create(_) | EventKind::Modify(ModifyKind::Data(_)) => {
                     touched(rel, TouchKind::Modified, emit)
                 }
@@ -496,7 +498,15 @@ impl Translator {
         }
     }
 
-    fn dir_appeared(&mut self, abs: &Path, rel: PathBuf, emit: &mut dyn FnMut(WatchEvent)) {
+    /// A folder created (its files are `Found`: some may still be written) or moved in (its
+    /// files are `MovedIn`: renamed into place with the folder).
+    fn dir_appeared(
+        &mut self,
+        abs: &Path,
+        rel: PathBuf,
+        files: TouchKind,
+        emit: &mut dyn FnMut(WatchEvent),
+    ) {
         self.dirs.insert(rel.clone());
         // notify adds the watch for a new folder only after it has handed out the batch of events
         // that announced the folder, so files written right after `mkdir -p` can be created
@@ -528,14 +538,17 @@ impl Translator {
                 }),
             }
         }
-        self.walk(abs, true, emit);
+        self.walk(abs, Some(files), emit);
     }
 
     fn arrived(&mut self, abs: &Path, rel: PathBuf, emit: &mut dyn FnMut(WatchEvent)) {
         match std::fs::symlink_metadata(abs) {
-            // A folder moved in: its files come as Found, not MovedIn, because a writer outside
-            // the tree may still hold one of them open.
-            Ok(meta) if meta.is_dir() => self.dir_appeared(abs, rel, emit),
+            // A folder moved in: its files were renamed into place with it, as complete as a
+            // file renamed alone (the README: a complete file is one "closed, or renamed into place").
+            // Each is still probed (header consistent with its size) before it goes, and a
+            // writer that goes on writing raises events in the now-watched folder, so its new
+            // bytes supersede the row.
+            Ok(meta) if meta.is_dir() => self.dir_appeared(abs, rel, TouchKind::MovedIn, emit),
             _ => touched(rel, TouchKind::MovedIn, emit),
         }
     }
@@ -553,8 +566,9 @@ impl Translator {
         emit(WatchEvent::RemovedDir(rel));
     }
 
-    /// Records every folder under `abs` and, with `files`, reports every `.wav` in it as Found.
-    fn walk(&mut self, abs: &Path, files: bool, emit: &mut dyn FnMut(WatchEvent)) {
+    /// Records every folder under `abs` and, with `files`, reports every `.wav` in it as touched
+    /// that way.
+    fn walk(&mut self, abs: &Path, files: Option<TouchKind>, emit: &mut dyn FnMut(WatchEvent)) {
         // Links are not followed, as notify is told.
         for entry in WalkDir::new(abs).follow_links(false) {
             if self.stopping.load(Ordering::Relaxed) {
@@ -577,10 +591,12 @@ impl Translator {
             let file_type = entry.file_type();
             if file_type.is_dir() {
                 self.dirs.insert(rel.to_path_buf());
-            } else if files && (file_type.is_file() || file_type.is_symlink()) && is_wav(rel) {
+            } else if let Some(kind) =
+                files.filter(|_| (file_type.is_file() || file_type.is_symlink()) && is_wav(rel))
+            {
                 emit(WatchEvent::Touched {
                     path: rel.to_path_buf(),
-                    kind: TouchKind::Found,
+                    kind,
                 });
             }
         }
@@ -704,6 +720,37 @@ mod tests {
             [root.path().join("L")]
         );
         assert!(unwatched[&root.path().join("L")].contains("max_user_watches"));
+    }
+
+    #[test]
+    fn files_of_a_folder_moved_in_are_moved_in_and_of_a_created_one_found() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("L/day/sub")).unwrap();
+        std::fs::write(root.path().join("L/day/a.wav"), b"x").unwrap();
+        std::fs::write(root.path().join("L/day/sub/b.wav"), b"x").unwrap();
+        std::fs::create_dir(root.path().join("M")).unwrap();
+        std::fs::write(root.path().join("M/c.wav"), b"x").unwrap();
+        let mut tr = translator(root.path());
+        tr.rewatch = Box::new(|_| Ok(()));
+        let to = EventKind::Modify(ModifyKind::Name(RenameMode::To));
+        let mut out = feed(
+            &mut tr,
+            Ok(Event::new(to).add_path(root.path().join("L/day"))),
+        );
+        out.sort_by_key(|e| format!("{e:?}"));
+        assert_eq!(
+            out,
+            [
+                touch("L/day/a.wav", TouchKind::MovedIn),
+                touch("L/day/sub/b.wav", TouchKind::MovedIn)
+            ]
+        );
+        assert!(tr.dirs.contains(Path::new("L/day/sub")));
+        let out = feed(
+            &mut tr,
+            Ok(Event::new(EventKind::Create(CreateKind::Folder)).add_path(root.path().join("M"))),
+        );
+        assert_eq!(out, [touch("M/c.wav", TouchKind::Found)]);
     }
 
     #[test]
