@@ -53,6 +53,95 @@ mod buffers {
     }
 }
 
+/// A file's bytes, read into a sample buffer of the pool ([`buffers`]): a 16-bit mono file at
+/// the target rate then becomes its waveform in place ([`FileBytes::decode`]), its samples moved
+/// down over the header, instead of being copied out of a read buffer into a sample buffer.
+/// Dropped undecoded, the buffer goes back to the pool.
+pub struct FileBytes {
+    buf: Vec<i16>,
+    len: usize,
+}
+
+impl FileBytes {
+    /// Read `file` from its current position to its end, at most `limit` bytes.
+    pub fn read(file: &std::fs::File, limit: u64) -> std::io::Result<FileBytes> {
+        use std::os::fd::AsRawFd;
+        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        let mut buf = buffers::take(limit.div_ceil(2));
+        let ptr = buf.as_mut_ptr().cast::<u8>();
+        let mut len = 0usize;
+        while len < limit {
+            // SAFETY: `buf` has room for `limit` bytes (its capacity is at least limit / 2
+            // rounded up, in i16), and `read` writes at most `limit - len` bytes from `len`.
+            let n = unsafe {
+                libc::read(
+                    file.as_raw_fd(),
+                    ptr.add(len).cast(),
+                    (limit - len).min(isize::MAX as usize),
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                buffers::give(buf);
+                return Err(e);
+            }
+            if n == 0 {
+                break;
+            }
+            len += n as usize;
+        }
+        if len % 2 == 1 {
+            // SAFETY: within the capacity (see above); the last sample's other byte is set so
+            // that every element below the new length is initialised.
+            unsafe { ptr.add(len).write(0) };
+        }
+        // SAFETY: the first `len` bytes were written by `read`, and the odd one just above.
+        unsafe { buf.set_len(len.div_ceil(2)) };
+        Ok(FileBytes { buf, len })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.buf)[..self.len]
+    }
+
+    /// [`decode`] of these bytes; the fast path (16-bit mono at `sample_rate`) keeps the buffer
+    /// as the waveform.
+    pub fn decode(mut self, sample_rate: u32, num_samples: usize) -> Result<Waveform, DecodeError> {
+        let info = parse_header(self.bytes())?;
+        let in_place = info.sample_rate == sample_rate
+            && info.format == SampleFormat::Pcm16
+            && info.channels == 1
+            && info.data_offset % 2 == 0;
+        if !in_place {
+            return decode(self.bytes(), sample_rate, num_samples);
+        }
+        let mut samples = std::mem::take(&mut self.buf);
+        let start = info.data_offset / 2;
+        let n = num_samples.min(info.data_len / 2);
+        samples.copy_within(start..start + n, 0);
+        samples.truncate(n);
+        if cfg!(target_endian = "big") {
+            for s in samples.iter_mut() {
+                *s = i16::from_le(*s);
+            }
+        }
+        samples.resize(num_samples, 0);
+        Ok(Waveform::Pcm16(samples))
+    }
+}
+
+impl Drop for FileBytes {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
+        if buf.capacity() > 0 {
+            buffers::give(buf);
+        }
+    }
+}
+
 impl Default for Waveform {
     fn default() -> Self {
         Waveform::Float(Vec::new())
@@ -776,6 +865,45 @@ mod tests {
         match w {
             Waveform::Float(v) => v,
             Waveform::Pcm16(_) => panic!("expected a float waveform"),
+        }
+    }
+
+    /// Decoding a file read into a pooled buffer (in place for 16-bit mono) gives what decoding
+    /// its bytes gives, whatever the format, length and parity of the file.
+    #[test]
+    fn file_bytes_decode_like_the_bytes() {
+        let samples: Vec<i16> = (0..300).map(|i| (i * 217 - 30_000) as i16).collect();
+        let odd_chunk = riff(&[
+            (b"fmt ", &fmt(1, 1, 4096, 16)),
+            (b"LIST", b"abc"),
+            (b"data", &pcm16(&samples)),
+        ]);
+        let mut trailing = wav(1, 1, 4096, 16, &pcm16(&samples));
+        trailing.push(7);
+        let cases: Vec<(&str, Vec<u8>)> = vec![
+            ("pcm16 mono", wav(1, 1, 4096, 16, &pcm16(&samples))),
+            ("pcm16 mono, odd chunk before data", odd_chunk),
+            ("pcm16 mono, odd trailing byte", trailing),
+            ("pcm16 stereo", wav(1, 2, 4096, 16, &pcm16(&samples))),
+            ("pcm16 other rate", wav(1, 1, 8192, 16, &pcm16(&samples))),
+            ("float", wav(3, 1, 4096, 32, &pcm16(&samples))),
+            ("not a wav", b"hello, world".to_vec()),
+            ("empty", Vec::new()),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        for (name, file) in cases {
+            let path = dir.path().join("x.wav");
+            std::fs::write(&path, &file).unwrap();
+            for num_samples in [100, 300, 400] {
+                let f = std::fs::File::open(&path).unwrap();
+                let read = FileBytes::read(&f, file.len() as u64 + 1).unwrap();
+                assert_eq!(read.bytes(), &file[..], "{name}");
+                assert_eq!(
+                    read.decode(4096, num_samples),
+                    decode(&file, 4096, num_samples),
+                    "{name}, {num_samples} samples"
+                );
+            }
         }
     }
 

@@ -68,13 +68,16 @@ pub fn rebuild_shard(
     staging::finish_pending(settings)?;
     staging::prepare(settings)?;
 
-    // Appended labels keep their ids across rebuilds.
+    // Appended labels keep their ids across rebuilds. Opening the old manifest (tens of ms:
+    // sled recovers its log) runs while the tree is scanned and the featuriser is built.
     let old_manifest = staging::manifest_dir(settings);
-    let appended_before = if old_manifest.exists() {
-        Manifest::open(&old_manifest)?.appended_labels()?
-    } else {
-        Vec::new()
-    };
+    let appended_before = std::thread::spawn(move || -> anyhow::Result<Vec<String>> {
+        Ok(if old_manifest.exists() {
+            Manifest::open(&old_manifest)?.appended_labels()?
+        } else {
+            Vec::new()
+        })
+    });
     // Building a GPU featuriser (context, NVRTC, plans, self-check) takes a good part of a
     // second: it runs while the tree is scanned.
     let threads = settings.worker_threads();
@@ -83,6 +86,9 @@ pub fn rebuild_shard(
         std::thread::spawn(move || features::build(&features, device, threads))
     };
     let found = source::scan(&settings.paths.recordings)?;
+    let appended_before = appended_before
+        .join()
+        .expect("reading the old manifest panicked")?;
     let mut labels = LabelSet::new(
         &settings.labels.names,
         &appended_before,

@@ -258,7 +258,7 @@ fn file_moved_in_and_out_of_the_tree() {
 }
 
 #[test]
-fn folder_moved_in_reports_every_wav_inside() {
+fn folder_moved_in_reports_every_wav_inside_as_moved_in() {
     let t = tree(&["LEAK"]);
     let d = t.outside.join("day1");
     fs::create_dir_all(d.join("sub/deeper")).unwrap();
@@ -276,7 +276,7 @@ fn folder_moved_in_reports_every_wav_inside() {
         "LEAK/day1/sub/deeper/c.wav",
     ];
     let mut events = until(&rx, "the three recordings", |e| {
-        want.iter().all(|p| has(e, &touched(p, TouchKind::Found)))
+        want.iter().all(|p| has(e, &touched(p, TouchKind::MovedIn)))
     });
     events.extend(until_quiet(&rx));
     for p in paths(&events) {
@@ -326,7 +326,7 @@ fn folder_moved_away_or_deleted_is_removed_dir() {
 }
 
 #[test]
-fn folder_renamed_within_the_tree_is_removed_then_found() {
+fn folder_renamed_within_the_tree_is_removed_then_moved_in() {
     let t = tree(&["LEAK/day1", "NORMAL"]);
     fs::write(t.root.join("LEAK/day1/a.wav"), b"RIFF").unwrap();
     let (_w, rx) = watch(&t.root);
@@ -335,7 +335,7 @@ fn folder_renamed_within_the_tree_is_removed_then_found() {
 
     let mut events = until(&rx, "old folder gone, file found at the new place", |e| {
         has(e, &WatchEvent::RemovedDir("LEAK/day1".into()))
-            && has(e, &touched("NORMAL/day1/a.wav", TouchKind::Found))
+            && has(e, &touched("NORMAL/day1/a.wav", TouchKind::MovedIn))
     });
     events.extend(until_quiet(&rx));
     let gone = events
@@ -344,7 +344,7 @@ fn folder_renamed_within_the_tree_is_removed_then_found() {
         .unwrap();
     let found = events
         .iter()
-        .position(|e| *e == touched("NORMAL/day1/a.wav", TouchKind::Found))
+        .position(|e| *e == touched("NORMAL/day1/a.wav", TouchKind::MovedIn))
         .unwrap();
     assert!(
         gone < found,

@@ -3,7 +3,7 @@
 //! stops a batch because one file is bad.
 
 use crate::config::{FeatureSettings, FeatureShape};
-use crate::decode::{self, Waveform};
+use crate::decode::{FileBytes, Waveform};
 use crate::engine::outcome::{Load, Loaded, Observation, Reason};
 use crate::identity;
 use std::path::Path;
@@ -46,11 +46,6 @@ pub fn mtime_ns(meta: &std::fs::Metadata) -> i64 {
     meta.mtime() * 1_000_000_000 + meta.mtime_nsec()
 }
 
-thread_local! {
-    /// Each loader thread reads into the same buffer file after file (no fresh pages per file).
-    static READ_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
 /// The load stage for one complete file: read, hash, decode. Size and mtime are taken from the
 /// open file, so they describe the bytes that were hashed. Never fails: every problem is an
 /// outcome of this file.
@@ -63,55 +58,55 @@ pub fn load(
     times: &StageTimes,
     shard: crate::shard::Shard,
 ) -> Observation {
-    let load = READ_BUF
-        .with_borrow_mut(|bytes| load_into(root, rel, features, shape, times, shard, bytes));
     Observation::Loaded(Loaded {
         rel: rel.to_string(),
         seen,
-        load,
+        load: load_file(root, rel, features, shape, times, shard),
     })
 }
 
-fn load_into(
+fn load_file(
     root: &Path,
     rel: &str,
     features: &FeatureSettings,
     shape: &FeatureShape,
     times: &StageTimes,
     shard: crate::shard::Shard,
-    bytes: &mut Vec<u8>,
 ) -> Load {
     let t = Instant::now();
+    // Read into a sample buffer of the decoder's pool: a 16-bit mono file at the target rate
+    // becomes its waveform where it was read (decode::FileBytes).
     let read = (|| {
-        use std::io::Read;
-        let mut f = std::fs::File::open(root.join(rel))?;
+        let f = std::fs::File::open(root.join(rel))?;
         let meta = f.metadata()?;
-        bytes.clear();
         // Bounded by the size the file had when opened (+1 to notice growth), not by a header.
-        (&mut f).take(meta.len() + 1).read_to_end(bytes)?;
-        Ok::<_, std::io::Error>(meta)
+        let bytes = FileBytes::read(&f, meta.len() + 1)?;
+        Ok::<_, std::io::Error>((meta, bytes))
     })();
     StageTimes::add(&times.read, t);
-    let meta = match read {
-        Ok(m) => m,
+    let (meta, bytes) = match read {
+        Ok(r) => r,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Load::Vanished,
         Err(e) => return Load::Unreadable(e.to_string()),
     };
     let t = Instant::now();
-    let hash = identity::content_hash(bytes);
+    let hash = identity::content_hash(bytes.bytes());
     StageTimes::add(&times.hash, t);
     if !shard.contains(&hash) {
         return Load::OtherShard;
     }
     let t = Instant::now();
-    let decoded = if bytes.len() as u64 != meta.len() {
+    let size = bytes.bytes().len() as u64;
+    let decoded = if size != meta.len() {
         Err(Reason::ChangedWhileRead)
     } else {
-        decode::decode(bytes, features.sample_rate, shape.num_samples).map_err(Reason::Decode)
+        bytes
+            .decode(features.sample_rate, shape.num_samples)
+            .map_err(Reason::Decode)
     };
     StageTimes::add(&times.decode, t);
     Load::Read {
-        size: bytes.len() as u64,
+        size,
         mtime_ns: mtime_ns(&meta),
         hash,
         decoded,

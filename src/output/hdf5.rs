@@ -121,6 +121,17 @@ impl Hdf5Sink {
     /// The file is built under `<path>.partial` and renamed into place once complete, so a
     /// crash while creating never leaves a half-made file under the name readers open.
     pub fn create(path: &Path, header: &OutputHeader, swmr: bool) -> Result<Self> {
+        Self::create_with(path, header, swmr, true)
+    }
+
+    /// [`Hdf5Sink::create`] for a staging output (`rebuild`): not synced when made, since the
+    /// closing commit syncs it before the staging folder is swapped in, and a crash before that
+    /// discards the staging folder.
+    pub fn create_staged(path: &Path, header: &OutputHeader) -> Result<Self> {
+        Self::create_with(path, header, false, false)
+    }
+
+    fn create_with(path: &Path, header: &OutputHeader, swmr: bool, sync: bool) -> Result<Self> {
         if path.exists() {
             bail!(
                 "{}: already exists; not overwriting an existing output",
@@ -197,10 +208,16 @@ impl Hdf5Sink {
             dirty: false,
             header: header.clone(),
         };
-        sink.flush_and_sync()?;
+        if sync {
+            sink.flush_and_sync()?;
+        } else {
+            sink.file()?.flush()?;
+        }
         std::fs::rename(&partial, path)
             .with_context(|| format!("renaming {} into place", partial.display()))?;
-        sync_parent_dir(path)?;
+        if sync {
+            sync_parent_dir(path)?;
+        }
         if swmr {
             sink.start_swmr()?;
         }

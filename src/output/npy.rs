@@ -102,7 +102,7 @@ impl NpySink {
             attrs.insert(name.to_string(), Value::from(value));
         }
         attrs.insert("schema_version".into(), Value::from(OUTPUT_SCHEMA_VERSION));
-        write_attributes(&partial, &attrs, 0)?;
+        write_attributes(&partial, &attrs, 0, sync)?;
         if dir.exists() {
             // An empty directory (nothing above found attributes.json): replace it.
             std::fs::remove_dir(dir).with_context(|| {
@@ -114,8 +114,11 @@ impl NpySink {
         }
         std::fs::rename(&partial, dir)
             .with_context(|| format!("renaming {} into place", partial.display()))?;
-        sync_dir(dir.parent().unwrap_or(Path::new(".")))?;
-        Self::open_append(dir, header, None)
+        if sync {
+            sync_dir(dir.parent().unwrap_or(Path::new(".")))?;
+        }
+        // New columns hold no rows: nothing to cut back (and to sync) when staged.
+        Self::open(dir, header, None, sync)
     }
 
     /// Reopen `dir` for appending: check `schema_version` and `feature_fingerprint` against
@@ -138,6 +141,11 @@ impl NpySink {
     }
 
     pub fn open_append(dir: &Path, header: &OutputHeader, keep: Option<u64>) -> Result<Self> {
+        Self::open(dir, header, keep, true)
+    }
+
+    /// `cut`: cut every column back to its committed rows, durably (see [`NpySink::open_append`]).
+    fn open(dir: &Path, header: &OutputHeader, keep: Option<u64>, cut: bool) -> Result<Self> {
         let attrs_path = dir.join(ATTRIBUTES);
         let text = std::fs::read_to_string(&attrs_path)
             .with_context(|| format!("reading {}", attrs_path.display()))?;
@@ -230,7 +238,9 @@ impl NpySink {
                 );
             }
         }
-        sink.cut_to(committed)?;
+        if cut {
+            sink.cut_to(committed)?;
+        }
         Ok(sink)
     }
 
@@ -249,7 +259,7 @@ impl NpySink {
             .insert("labels_json".into(), Value::from(labels_json(labels)));
         self.attrs
             .insert("label2id_json".into(), Value::from(label2id_json(labels)));
-        write_attributes(&self.dir, &self.attrs, self.committed)?;
+        write_attributes(&self.dir, &self.attrs, self.committed, true)?;
         self.labels = labels.to_vec();
         Ok(())
     }
@@ -274,7 +284,7 @@ impl NpySink {
                 .with_context(|| format!("truncating {}", c.path.display()))?;
             c.write_shape(rows)?;
         }
-        write_attributes(&self.dir, &self.attrs, rows)?;
+        write_attributes(&self.dir, &self.attrs, rows, true)?;
         self.len = rows;
         self.committed = rows;
         Ok(())
@@ -406,7 +416,7 @@ impl SplitSink for NpySink {
         for c in &mut self.cols {
             c.write_shape(rows)?;
         }
-        write_attributes(&self.dir, &self.attrs, rows)?;
+        write_attributes(&self.dir, &self.attrs, rows, true)?;
         self.committed = rows;
         self.dirty = false;
         Ok(())
@@ -508,18 +518,33 @@ fn read_npy_header(file: &mut File, spec: &ColumnSpec, path: &Path) -> Result<(u
     }
 }
 
-/// Write `attributes.json` (with `committed_rows`) atomically: temp file, fsync, rename.
-fn write_attributes(dir: &Path, attrs: &Map<String, Value>, committed: u64) -> Result<()> {
+/// Write `attributes.json` (with `committed_rows`) atomically: temp file, fsync, rename, and the
+/// folder synced; `sync` false (a staging output, synced by its closing commit): without syncs.
+fn write_attributes(
+    dir: &Path,
+    attrs: &Map<String, Value>,
+    committed: u64,
+    sync: bool,
+) -> Result<()> {
     let mut all = attrs.clone();
     all.insert("committed_rows".into(), Value::from(committed));
     let text = serde_json::to_string_pretty(&Value::Object(all)).expect("JSON serialises");
     let tmp = dir.join(format!("{ATTRIBUTES}.tmp"));
     let path = dir.join(ATTRIBUTES);
     std::fs::write(&tmp, text.as_bytes())
-        .and_then(|()| File::open(&tmp)?.sync_all())
+        .and_then(|()| {
+            if sync {
+                File::open(&tmp)?.sync_all()
+            } else {
+                Ok(())
+            }
+        })
         .and_then(|()| std::fs::rename(&tmp, &path))
         .with_context(|| format!("writing {}", path.display()))?;
-    sync_dir(dir)
+    if sync {
+        sync_dir(dir)?;
+    }
+    Ok(())
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {

@@ -26,8 +26,13 @@ impl OutputSet {
     ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
         Self::build(dir, outputs, |kind, _, path| match kind {
-            Kind::Hdf5 => Ok(Box::new(Hdf5Sink::create(path, header, swmr)?) as Box<dyn SplitSink>),
             // Live outputs are synced as they are made; staging ones by their closing commit.
+            Kind::Hdf5 if swmr => {
+                Ok(Box::new(Hdf5Sink::create(path, header, true)?) as Box<dyn SplitSink>)
+            }
+            Kind::Hdf5 => {
+                Ok(Box::new(Hdf5Sink::create_staged(path, header)?) as Box<dyn SplitSink>)
+            }
             Kind::Npy if swmr => Ok(Box::new(NpySink::create(path, header)?) as Box<dyn SplitSink>),
             Kind::Npy => Ok(Box::new(NpySink::create_staged(path, header)?) as Box<dyn SplitSink>),
         })
