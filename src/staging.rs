@@ -81,37 +81,46 @@ pub fn finish_pending(settings: &Settings) -> anyhow::Result<()> {
     if !j.exists() {
         return Ok(());
     }
+    // The replaced outputs are moved aside, and removed together once everything is in place:
+    // removing them frees their pages, the larger part of a swap, and the files go in parallel.
+    let mut aside = Vec::new();
+    let mut parents = std::collections::BTreeSet::new();
     for (staged, fin) in moves(settings) {
+        let old = aside_path(&fin);
         if !staged.exists() {
-            // A folder already moved; its predecessor may still be aside after a crash.
-            let old = fin.with_extension("old");
-            if old.is_dir() {
-                remove_any(&old)?;
+            // Already moved; its predecessor may still be aside after a crash.
+            if old.symlink_metadata().is_ok() {
+                aside.push(old);
             }
             continue;
         }
         if let Some(parent) = fin.parent() {
             std::fs::create_dir_all(parent)?;
         }
-        if staged.is_dir() {
-            // rename() cannot replace a non-empty folder: move the old one aside first.
-            let old = fin.with_extension("old");
-            remove_any(&old)?;
-            if fin.exists() {
-                std::fs::rename(&fin, &old)
-                    .with_context(|| format!("cannot move {} aside", fin.display()))?;
-            }
-            std::fs::rename(&staged, &fin)
-                .with_context(|| format!("cannot move {} into place", staged.display()))?;
-            remove_any(&old)?;
-        } else {
-            std::fs::rename(&staged, &fin)
-                .with_context(|| format!("cannot move {} into place", staged.display()))?;
+        // rename() cannot replace a non-empty folder, and replacing a file would free it here:
+        // the old one goes aside first.
+        remove_any(&old)?;
+        if fin.symlink_metadata().is_ok() {
+            std::fs::rename(&fin, &old)
+                .with_context(|| format!("cannot move {} aside", fin.display()))?;
+            aside.push(old);
         }
-        if let Some(parent) = fin.parent() {
-            sync_dir(parent);
-        }
+        std::fs::rename(&staged, &fin)
+            .with_context(|| format!("cannot move {} into place", staged.display()))?;
+        parents.extend(fin.parent().map(Path::to_path_buf));
     }
+    for parent in &parents {
+        sync_dir(parent);
+    }
+    std::thread::scope(|scope| {
+        let removals: Vec<_> = aside
+            .iter()
+            .map(|old| scope.spawn(move || remove_any(old)))
+            .collect();
+        removals
+            .into_iter()
+            .try_for_each(|r| r.join().expect("removing an old output panicked"))
+    })?;
     remove_any(&output_staging(settings))?;
     std::fs::remove_file(&j).with_context(|| format!("cannot remove {}", j.display()))?;
     sync_dir(&settings.paths.state);
@@ -151,6 +160,13 @@ pub fn remove_stale(settings: &Settings) -> anyhow::Result<Vec<PathBuf>> {
         remove_any(p)?;
     }
     Ok(leftovers)
+}
+
+/// Where a replaced output waits for its removal: its name + `.old`.
+fn aside_path(fin: &Path) -> PathBuf {
+    let mut name = fin.as_os_str().to_os_string();
+    name.push(".old");
+    PathBuf::from(name)
 }
 
 fn remove_any(p: &Path) -> anyhow::Result<()> {
@@ -235,6 +251,9 @@ mod tests {
         );
         assert_eq!(std::fs::read(manifest_dir(&s).join("db")).unwrap(), b"new");
         assert!(!stage.exists() && !journal(&s).exists());
+        for (_, fin) in moves(&s) {
+            assert!(!aside_path(&fin).exists(), "{} left aside", fin.display());
+        }
         // A journal left by a crash after the moves: rolling forward again changes nothing.
         std::fs::write(journal(&s), b"x").unwrap();
         finish_pending(&s).unwrap();
@@ -242,5 +261,35 @@ mod tests {
             std::fs::read(npy_dir(&s.paths.output, 0).join("labels.npy")).unwrap(),
             b"new"
         );
+    }
+
+    /// A crash in the middle of a swap: one output moved aside and not yet replaced, another
+    /// replaced with its predecessor still aside. Rolling forward puts every staged output in
+    /// place and removes what was aside.
+    #[test]
+    fn swap_rolls_forward_from_a_crash_between_its_moves() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = settings(dir.path());
+        prepare(&s).unwrap();
+        let stage = output_staging(&s);
+        let h0 = hdf5_path(&s.paths.output, &s.outputs.hdf5_names, 0);
+        let h1 = hdf5_path(&s.paths.output, &s.outputs.hdf5_names, 1);
+        // Split 0: moved aside, the staged file not moved in yet.
+        std::fs::write(aside_path(&h0), b"old").unwrap();
+        std::fs::write(hdf5_path(&stage, &s.outputs.hdf5_names, 0), b"new").unwrap();
+        // Split 1: moved in, its predecessor still aside.
+        std::fs::write(&h1, b"new").unwrap();
+        std::fs::write(aside_path(&h1), b"old").unwrap();
+        std::fs::create_dir_all(aside_path(&npy_dir(&s.paths.output, 2))).unwrap();
+        std::fs::create_dir_all(&s.paths.state).unwrap();
+        std::fs::write(journal(&s), b"x").unwrap();
+
+        finish_pending(&s).unwrap();
+        assert_eq!(std::fs::read(&h0).unwrap(), b"new");
+        assert_eq!(std::fs::read(&h1).unwrap(), b"new");
+        for (_, fin) in moves(&s) {
+            assert!(!aside_path(&fin).exists(), "{} left aside", fin.display());
+        }
+        assert!(!journal(&s).exists());
     }
 }
