@@ -421,14 +421,28 @@ impl Engine {
         let shard = self.shard;
         let other = &*self.other_shards;
         let observations: Vec<Observation> = self.pool.install(|| {
-            inputs
+            // Every file of the batch is opened and its reading started first (readahead), so
+            // that a tree that is not in the page cache is read with the whole batch's requests
+            // in flight, not one per loader.
+            let opened: Vec<(Input, Option<stages::Opened>)> = inputs
                 .into_par_iter()
-                .filter_map(|input| {
-                    let o = match input {
-                        Input::Load { rel, seen } => {
-                            stages::load(&root, &rel, seen, features, shape, times, shard)
+                .map(|input| {
+                    let file = match &input {
+                        Input::Load { rel, .. } => Some(stages::open(&root, rel, times)),
+                        Input::Observe(_) => None,
+                    };
+                    (input, file)
+                })
+                .collect();
+            opened
+                .into_par_iter()
+                .filter_map(|(input, file)| {
+                    let o = match (input, file) {
+                        (Input::Load { rel, seen }, Some(file)) => {
+                            stages::load(file, rel, seen, features, shape, times, shard)
                         }
-                        Input::Observe(o) => o,
+                        (Input::Load { .. }, None) => unreachable!("opened above"),
+                        (Input::Observe(o), _) => o,
                     };
                     let mine = match &o {
                         Observation::Loaded(outcome::Loaded {

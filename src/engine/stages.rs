@@ -46,12 +46,32 @@ pub fn mtime_ns(meta: &std::fs::Metadata) -> i64 {
     meta.mtime() * 1_000_000_000 + meta.mtime_nsec()
 }
 
-/// The load stage for one complete file: read, hash, decode. Size and mtime are taken from the
-/// open file, so they describe the bytes that were hashed. Never fails: every problem is an
-/// outcome of this file.
+/// A file of a batch, opened and its reading started ([`open`]), or why it could not be opened.
+pub type Opened = std::io::Result<(std::fs::File, std::fs::Metadata)>;
+
+/// Open a file to load and ask the kernel to read it ahead (`POSIX_FADV_WILLNEED`, which
+/// returns at once): a batch's files are all opened this way before any is read.
+pub fn open(root: &Path, rel: &str, times: &StageTimes) -> Opened {
+    let t = Instant::now();
+    let opened = (|| {
+        let f = std::fs::File::open(root.join(rel))?;
+        let meta = f.metadata()?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: a plain system call on an open descriptor; only advice, so its result is not
+        // needed.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
+        Ok((f, meta))
+    })();
+    StageTimes::add(&times.read, t);
+    opened
+}
+
+/// The load stage for one complete file, [`open`]ed: read, hash, decode. Size and mtime are
+/// taken from the open file, so they describe the bytes that were hashed. Never fails: every
+/// problem is an outcome of this file.
 pub fn load(
-    root: &Path,
-    rel: &str,
+    file: Opened,
+    rel: String,
     seen: Option<Instant>,
     features: &FeatureSettings,
     shape: &FeatureShape,
@@ -59,15 +79,14 @@ pub fn load(
     shard: crate::shard::Shard,
 ) -> Observation {
     Observation::Loaded(Loaded {
-        rel: rel.to_string(),
+        load: load_file(file, features, shape, times, shard),
+        rel,
         seen,
-        load: load_file(root, rel, features, shape, times, shard),
     })
 }
 
 fn load_file(
-    root: &Path,
-    rel: &str,
+    file: Opened,
     features: &FeatureSettings,
     shape: &FeatureShape,
     times: &StageTimes,
@@ -75,16 +94,11 @@ fn load_file(
 ) -> Load {
     let t = Instant::now();
     // Read into a sample buffer of the decoder's pool: a 16-bit mono file at the target rate
-    // becomes its waveform where it was read (decode::FileBytes).
-    let read = (|| {
-        let f = std::fs::File::open(root.join(rel))?;
-        let meta = f.metadata()?;
-        // Bounded by the size the file had when opened (+1 to notice growth), not by a header.
-        let bytes = FileBytes::read(&f, meta.len() + 1)?;
-        Ok::<_, std::io::Error>((meta, bytes))
-    })();
+    // becomes its waveform where it was read (decode::FileBytes). Bounded by the size the file
+    // had when opened (+1 to notice growth), not by a header.
+    let read = file.and_then(|(f, meta)| Ok((FileBytes::read(&f, meta.len() + 1)?, meta)));
     StageTimes::add(&times.read, t);
-    let (meta, bytes) = match read {
+    let (bytes, meta) = match read {
         Ok(r) => r,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Load::Vanished,
         Err(e) => return Load::Unreadable(e.to_string()),
