@@ -27,13 +27,23 @@ pub enum Waveform {
 mod buffers {
     use std::sync::Mutex;
 
-    /// Buffers kept at most: about two bulk batches of 10 s clips (80 KB each).
-    const KEEP: usize = 1024;
-    static FREE: Mutex<Vec<Vec<i16>>> = Mutex::new(Vec::new());
+    /// Samples the kept buffers may hold in all: 128 MB, about three bulk batches of 10 s clips
+    /// (80 KB each). A buffer that does not fit (after files far longer than a clip) is freed.
+    const KEEP_SAMPLES: usize = 64 << 20;
+
+    /// The kept buffers, and the samples they can hold.
+    static FREE: Mutex<(Vec<Vec<i16>>, usize)> = Mutex::new((Vec::new(), 0));
 
     /// An empty buffer with room for `len` samples.
     pub fn take(len: usize) -> Vec<i16> {
-        let kept = FREE.lock().map(|mut f| f.pop()).unwrap_or(None);
+        let kept = FREE
+            .lock()
+            .map(|mut f| {
+                let v = f.0.pop();
+                f.1 -= v.as_ref().map_or(0, Vec::capacity);
+                v
+            })
+            .unwrap_or(None);
         match kept {
             Some(mut v) => {
                 v.clear();
@@ -46,9 +56,24 @@ mod buffers {
 
     pub fn give(v: Vec<i16>) {
         if let Ok(mut free) = FREE.lock() {
-            if free.len() < KEEP {
-                free.push(v);
+            if free.1 + v.capacity() <= KEEP_SAMPLES {
+                free.1 += v.capacity();
+                free.0.push(v);
             }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn the_pool_keeps_a_bounded_amount() {
+            super::give(Vec::with_capacity(super::KEEP_SAMPLES + 1));
+            for _ in 0..4 {
+                super::give(Vec::with_capacity(super::KEEP_SAMPLES / 3));
+            }
+            let kept = super::FREE.lock().unwrap();
+            assert!(kept.1 <= super::KEEP_SAMPLES);
+            assert_eq!(kept.1, kept.0.iter().map(Vec::capacity).sum::<usize>());
         }
     }
 }
