@@ -473,7 +473,7 @@ impl Engine {
             .as_ref()
             .context("the engine is finished")?;
         if tx.send(plan).is_err() {
-            bail!("the engine stopped: {}", self.stop_reason());
+            return Err(self.stopped());
         }
         self.in_flight += 1;
         Ok(())
@@ -498,17 +498,27 @@ impl Engine {
                     self.in_flight -= 1;
                     out.push(r?);
                 }
-                Err(_) => bail!("the engine stopped: {}", self.stop_reason()),
+                Err(_) => return Err(self.stopped()),
             }
         }
         Ok(out)
     }
 
-    fn stop_reason(&mut self) -> String {
-        match self.done.try_recv() {
-            Ok(Err(e)) => format!("{e:#}"),
-            _ => "a stage failed (see the log)".into(),
+    /// Why the engine stopped: the failing stage's own error, its types kept (so that a caller
+    /// tells a featuriser that failed, [`FeaturiserFailed`], from outputs that could not be
+    /// written), or a generic one.
+    ///
+    /// The stage that failed hands its error to the commit thread, which passes it on before it
+    /// ends: this waits for it, past the results of batches made durable before it (the caller
+    /// abandons the engine and rescans, which finds what those results would have asked for).
+    fn stopped(&mut self) -> anyhow::Error {
+        while let Ok(r) = self.done.recv() {
+            self.in_flight = self.in_flight.saturating_sub(1);
+            if let Err(e) = r {
+                return e.context("the engine stopped");
+            }
         }
+        anyhow::anyhow!("the engine stopped: a stage failed (see the log)")
     }
 
     /// Drain, commit everything, close the outputs. Returns the GPU's stage times, if any.
@@ -689,5 +699,75 @@ impl Engine {
             }
         }
         Ok(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::Waveform;
+    use half::f16;
+
+    /// A featuriser whose device is gone: every batch fails.
+    struct Gone(FeatureShape);
+
+    impl Featuriser for Gone {
+        fn name(&self) -> String {
+            "gone".into()
+        }
+        fn shape(&self) -> FeatureShape {
+            self.0
+        }
+        fn featurise(&mut self, _: &[&Waveform], _: &mut [f16]) -> anyhow::Result<()> {
+            bail!("the device is gone")
+        }
+        fn submit(&mut self, _: &[&Waveform], _: Vec<f16>) -> anyhow::Result<()> {
+            bail!("the device is gone")
+        }
+        fn finish(&mut self) -> anyhow::Result<Option<Vec<f16>>> {
+            Ok(None)
+        }
+    }
+
+    /// Whichever call meets the stopped engine (the next submit or the wait), its error is the
+    /// featuriser's, typed as such (the service tells it from a write failure by the type), and
+    /// nothing was recorded.
+    #[test]
+    fn a_failed_featuriser_stops_the_engine_with_its_own_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = Settings::default();
+        s.paths.recordings = dir.path().join("rec");
+        s.paths.output = dir.path().join("out");
+        s.paths.state = dir.path().join("state");
+        let leak = s.paths.recordings.join("LEAK");
+        std::fs::create_dir_all(&leak).unwrap();
+        let shape = s.features.shape();
+        let mut engine = Engine::open_live_with(&s, Warm::Keep(Box::new(Gone(shape)))).unwrap();
+        let mut error = None;
+        for i in 0..50 {
+            let name = crate::synth::file_name(i, 1);
+            let samples = crate::synth::clip("LEAK", i as u64, 4096, 10.0);
+            std::fs::write(leak.join(&name), crate::synth::wav_pcm16(&samples, 4096)).unwrap();
+            let input = Input::Load {
+                rel: format!("LEAK/{name}"),
+                seen: None,
+            };
+            if let Err(e) = engine.submit(vec![input]) {
+                error = Some(e);
+                break;
+            }
+        }
+        let error = error
+            .or_else(|| engine.wait().err())
+            .expect("the engine stops");
+        assert!(
+            error.downcast_ref::<FeaturiserFailed>().is_some(),
+            "{error:#}"
+        );
+        assert!(
+            format!("{error:#}").contains("the device is gone"),
+            "{error:#}"
+        );
+        assert_eq!(engine.manifest().rows().unwrap(), [0, 0, 0]);
     }
 }
