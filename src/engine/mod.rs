@@ -46,6 +46,9 @@ use std::time::{Duration, Instant};
 /// Featurised plans that may wait for the commit stage, and be committed together.
 const GROUP_MAX: usize = 8;
 
+/// Files of a batch opened and read ahead at once, before the loaders read them.
+const OPEN_AHEAD: usize = 128;
+
 /// What the engine is given.
 #[derive(Debug)]
 pub enum Input {
@@ -420,47 +423,54 @@ impl Engine {
         let times = &*self.times;
         let shard = self.shard;
         let other = &*self.other_shards;
-        let observations: Vec<Observation> = self.pool.install(|| {
-            // Every file of the batch is opened and its reading started first (readahead), so
-            // that a tree that is not in the page cache is read with the whole batch's requests
-            // in flight, not one per loader.
-            let opened: Vec<(Input, Option<stages::Opened>)> = inputs
-                .into_par_iter()
-                .map(|input| {
-                    let file = match &input {
-                        Input::Load { rel, .. } => Some(stages::open(&root, rel, times)),
-                        Input::Observe(_) => None,
-                    };
-                    (input, file)
-                })
-                .collect();
-            opened
-                .into_par_iter()
-                .filter_map(|(input, file)| {
-                    let o = match (input, file) {
-                        (Input::Load { rel, seen }, Some(file)) => {
-                            stages::load(file, rel, seen, features, shape, times, shard)
-                        }
-                        (Input::Load { .. }, None) => unreachable!("opened above"),
-                        (Input::Observe(o), _) => o,
-                    };
-                    let mine = match &o {
-                        Observation::Loaded(outcome::Loaded {
-                            load: outcome::Load::OtherShard,
-                            ..
-                        }) => false,
-                        Observation::Loaded(outcome::Loaded {
-                            load: outcome::Load::Read { .. },
-                            ..
-                        }) => true,
-                        _ => shard.owns_unhashable(),
-                    };
-                    if !mine {
-                        other.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    }
-                    mine.then_some(o)
-                })
-                .collect()
+        let load = |(input, file): (Input, Option<stages::Opened>)| {
+            let o = match (input, file) {
+                (Input::Load { rel, seen }, Some(file)) => {
+                    stages::load(file, rel, seen, features, shape, times, shard)
+                }
+                (Input::Load { .. }, None) => unreachable!("opened first"),
+                (Input::Observe(o), _) => o,
+            };
+            let mine = match &o {
+                Observation::Loaded(outcome::Loaded {
+                    load: outcome::Load::OtherShard,
+                    ..
+                }) => false,
+                Observation::Loaded(outcome::Loaded {
+                    load: outcome::Load::Read { .. },
+                    ..
+                }) => true,
+                _ => shard.owns_unhashable(),
+            };
+            if !mine {
+                other.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            mine.then_some(o)
+        };
+        let mut observations: Vec<Observation> = Vec::with_capacity(inputs.len());
+        let mut inputs = inputs.into_iter().peekable();
+        self.pool.install(|| {
+            while inputs.peek().is_some() {
+                // The files of up to OPEN_AHEAD inputs are opened and their reading started
+                // first (readahead), so that a tree that is not in the page cache is read with
+                // that many requests in flight, not one per loader; at most that many are open
+                // at once (a GPU's bulk batch of 1024 would meet the usual limit of 1024
+                // descriptors).
+                let opened: Vec<(Input, Option<stages::Opened>)> = inputs
+                    .by_ref()
+                    .take(OPEN_AHEAD)
+                    .collect::<Vec<_>>()
+                    .into_par_iter()
+                    .map(|input| {
+                        let file = match &input {
+                            Input::Load { rel, .. } => Some(stages::open(&root, rel, times)),
+                            Input::Observe(_) => None,
+                        };
+                        (input, file)
+                    })
+                    .collect();
+                observations.par_extend(opened.into_par_iter().filter_map(load));
+            }
         });
         let t = Instant::now();
         let mut plan = self.ledger.decide(&*self.manifest, observations)?;
