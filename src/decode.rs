@@ -136,12 +136,9 @@ impl FileBytes {
     /// as the waveform.
     pub fn decode(mut self, sample_rate: u32, num_samples: usize) -> Result<Waveform, DecodeError> {
         let info = parse_header(self.bytes())?;
-        let in_place = info.sample_rate == sample_rate
-            && info.format == SampleFormat::Pcm16
-            && info.channels == 1
-            && info.data_offset % 2 == 0;
-        if !in_place {
-            return decode(self.bytes(), sample_rate, num_samples);
+        // RIFF pads chunks to even sizes, so the samples start at an even offset: whole i16s.
+        if !info.is_waveform_at(sample_rate) || info.data_offset % 2 != 0 {
+            return decode_parsed(self.bytes(), &info, sample_rate, num_samples);
         }
         let mut samples = std::mem::take(&mut self.buf);
         let start = info.data_offset / 2;
@@ -410,6 +407,14 @@ pub struct WavInfo {
     pub frames: usize,
 }
 
+impl WavInfo {
+    /// 16-bit mono at `sample_rate`: the data chunk is the waveform as it is
+    /// ([`Waveform::Pcm16`]), nothing to mix or resample.
+    fn is_waveform_at(&self, sample_rate: u32) -> bool {
+        self.sample_rate == sample_rate && self.format == SampleFormat::Pcm16 && self.channels == 1
+    }
+}
+
 /// The parts of the fmt chunk that matter, already validated.
 struct Fmt {
     format: SampleFormat,
@@ -674,19 +679,28 @@ fn check_data(
 /// long before padding or trimming. Only the frames that reach the first `num_samples` output
 /// samples are converted.
 pub fn decode(bytes: &[u8], sample_rate: u32, num_samples: usize) -> Result<Waveform, DecodeError> {
-    let info = parse_header(bytes)?;
+    decode_parsed(bytes, &parse_header(bytes)?, sample_rate, num_samples)
+}
+
+/// [`decode`] of `bytes` whose header is `info`.
+fn decode_parsed(
+    bytes: &[u8],
+    info: &WavInfo,
+    sample_rate: u32,
+    num_samples: usize,
+) -> Result<Waveform, DecodeError> {
     let data = &bytes[info.data_offset..info.data_offset + info.data_len];
+    if info.is_waveform_at(sample_rate) {
+        return Ok(Waveform::Pcm16(pcm16_mono(data, num_samples)));
+    }
     if info.sample_rate == sample_rate {
-        if info.format == SampleFormat::Pcm16 && info.channels == 1 {
-            return Ok(Waveform::Pcm16(pcm16_mono(data, num_samples)));
-        }
-        let mut mono = to_mono(data, &info, info.frames.min(num_samples))?;
+        let mut mono = to_mono(data, info, info.frames.min(num_samples))?;
         mono.resize(num_samples, 0.0);
         return Ok(Waveform::Float(mono));
     }
     let mut resampler = BandLimited::new(info.sample_rate, sample_rate)?;
     let used = resampler.input_needed(num_samples).min(info.frames);
-    let mono = to_mono(data, &info, used)?;
+    let mono = to_mono(data, info, used)?;
     let mut out = resampler.run(&mono, info.frames, num_samples)?;
     out.resize(num_samples, 0.0);
     Ok(Waveform::Float(out))
