@@ -54,7 +54,7 @@ impl Committer {
             return Ok(());
         };
         if !self.live {
-            return group.iter().try_for_each(|f| self.commit(f));
+            return group.iter().try_for_each(|f| self.commit_staged(f));
         }
         let t = Instant::now();
         if let Some(room) = &self.room {
@@ -85,11 +85,9 @@ impl Committer {
         Ok(())
     }
 
-    pub fn commit(&mut self, f: &Featurised) -> anyhow::Result<()> {
-        if self.live {
-            return self.commit_group(std::slice::from_ref(f));
-        }
-        // Staging is swapped in only when complete: the records go beside the rows.
+    /// One plan into staging outputs, which are swapped in only when complete: the records go
+    /// into the manifest beside the rows, on a thread of their own.
+    fn commit_staged(&mut self, f: &Featurised) -> anyhow::Result<()> {
         let t = Instant::now();
         let batch = self.manifest_batch(&f.plan);
         let manifest = self.manifest.clone();
