@@ -26,6 +26,10 @@ use std::time::Instant;
 /// queue between the stages.
 pub const RECYCLED: usize = 8;
 
+/// What the featurise stage hands back when it stops, and with it a stopped engine: the GPU's
+/// stage times, and the featuriser unless it failed.
+pub type Stopped = (Option<DeviceTimes>, Option<Box<dyn Featuriser>>);
+
 /// A plan whose rows are in the featuriser.
 struct InFlight {
     plan: Plan,
@@ -51,7 +55,7 @@ impl Stage {
         mut self,
         plans: Receiver<Plan>,
         out: Sender<anyhow::Result<Featurised>>,
-    ) -> (Option<DeviceTimes>, Option<Box<dyn Featuriser>>) {
+    ) -> Stopped {
         let depth = self.featuriser.depth().max(1);
         let mut flight: VecDeque<InFlight> = VecDeque::new();
         loop {
@@ -96,11 +100,7 @@ impl Stage {
         (self.featuriser.device_times(), Some(self.featuriser))
     }
 
-    fn failed(
-        self,
-        e: anyhow::Error,
-        out: &Sender<anyhow::Result<Featurised>>,
-    ) -> (Option<DeviceTimes>, Option<Box<dyn Featuriser>>) {
+    fn failed(self, e: anyhow::Error, out: &Sender<anyhow::Result<Featurised>>) -> Stopped {
         let device = self.featuriser.name();
         log::warn!(
             "the featuriser ({device}) failed: dropped, a new one is built when ingest resumes"

@@ -58,6 +58,16 @@ pub enum Input {
     Observe(Observation),
 }
 
+/// An [`Input`] whose file, if it has one, is open and being read ahead (see [`OPEN_AHEAD`]).
+enum OpenedInput {
+    Load {
+        rel: String,
+        seen: Option<Instant>,
+        file: stages::Opened,
+    },
+    Observe(Observation),
+}
+
 /// A batch made durable.
 #[derive(Debug, Default)]
 pub struct Done {
@@ -72,11 +82,6 @@ pub struct Done {
     /// Files of this batch left to other shards (`rebuild --shard`).
     pub other_shards: usize,
 }
-
-/// What the featuriser thread hands back when it stops: the featuriser, unless it failed.
-type Featuring = (Option<DeviceTimes>, Option<Box<dyn Featuriser>>);
-/// What a stopped engine hands back: the GPU's stage times, the featuriser if its thread had it.
-type Stopped = (Option<DeviceTimes>, Option<Box<dyn Featuriser>>);
 
 /// The context of an error of the featuriser (not of writing): the engine stopped, and the
 /// featuriser was dropped.
@@ -103,7 +108,7 @@ pub struct Engine {
     device: String,
     to_featurise: Option<Sender<Plan>>,
     done: Receiver<anyhow::Result<Done>>,
-    featurising: Option<JoinHandle<Featuring>>,
+    featurising: Option<JoinHandle<featurise::Stopped>>,
     writing: Option<JoinHandle<anyhow::Result<Committer>>>,
     /// Batches submitted and not yet reported done.
     in_flight: usize,
@@ -423,13 +428,12 @@ impl Engine {
         let times = &*self.times;
         let shard = self.shard;
         let other = &*self.other_shards;
-        let load = |(input, file): (Input, Option<stages::Opened>)| {
-            let o = match (input, file) {
-                (Input::Load { rel, seen }, Some(file)) => {
+        let load = |input: OpenedInput| {
+            let o = match input {
+                OpenedInput::Load { rel, seen, file } => {
                     stages::load(file, rel, seen, features, shape, times, shard)
                 }
-                (Input::Load { .. }, None) => unreachable!("opened first"),
-                (Input::Observe(o), _) => o,
+                OpenedInput::Observe(o) => o,
             };
             let mine = match &o {
                 Observation::Loaded(outcome::Loaded {
@@ -456,17 +460,18 @@ impl Engine {
                 // that many requests in flight, not one per loader; at most that many are open
                 // at once (a GPU's bulk batch of 1024 would meet the usual limit of 1024
                 // descriptors).
-                let opened: Vec<(Input, Option<stages::Opened>)> = inputs
+                let opened: Vec<OpenedInput> = inputs
                     .by_ref()
                     .take(OPEN_AHEAD)
                     .collect::<Vec<_>>()
                     .into_par_iter()
-                    .map(|input| {
-                        let file = match &input {
-                            Input::Load { rel, .. } => Some(stages::open(&root, rel, times)),
-                            Input::Observe(_) => None,
-                        };
-                        (input, file)
+                    .map(|input| match input {
+                        Input::Load { rel, seen } => OpenedInput::Load {
+                            file: stages::open(&root, &rel, times),
+                            rel,
+                            seen,
+                        },
+                        Input::Observe(o) => OpenedInput::Observe(o),
                     })
                     .collect();
                 observations.par_extend(opened.into_par_iter().filter_map(load));
@@ -562,7 +567,7 @@ impl Engine {
         featuriser
     }
 
-    fn stop(mut self) -> anyhow::Result<Stopped> {
+    fn stop(mut self) -> anyhow::Result<featurise::Stopped> {
         let waited = self.wait();
         self.to_featurise = None;
         let (device_times, featuriser) = match self.featurising.take() {
