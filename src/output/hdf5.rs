@@ -500,8 +500,6 @@ impl Hdf5Sink {
         Ok(())
     }
 
-    /// Write every cached byte to the file (H5Fflush: raw-data chunk caches, metadata,
-    /// superblock), then `fdatasync` it, so that what follows is ordered after it on disk.
     /// The file descriptor of HDF5's sec2 driver.
     fn fd(&self) -> Result<c_int> {
         let file = self.file()?;
@@ -514,6 +512,8 @@ impl Hdf5Sink {
         .with_context(|| format!("{}: file descriptor", self.path.display()))
     }
 
+    /// Write every cached byte to the file (H5Fflush: raw-data chunk caches, metadata,
+    /// superblock), then `fdatasync` it, so that what follows is ordered after it on disk.
     fn flush_and_sync(&self) -> Result<()> {
         let file = self.file()?;
         let fd = self.fd()?;
@@ -626,12 +626,7 @@ impl SplitSink for Hdf5Sink {
 
     fn start_writeback(&mut self) -> Result<()> {
         // Chunks still in HDF5's cache are written by the commit; this starts on the rest.
-        let fd = self.fd()?;
-        // SAFETY: `fd` is the open file's descriptor, borrowed for the call only.
-        let file = std::mem::ManuallyDrop::new(unsafe {
-            <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd)
-        });
-        super::start_writeback(&file, &self.path)
+        super::start_writeback(self.fd()?, &self.path)
     }
 }
 

@@ -113,12 +113,11 @@ pub trait SplitSink: Send {
     fn close(self: Box<Self>) -> anyhow::Result<()>;
 }
 
-/// `sync_file_range(SYNC_FILE_RANGE_WRITE)` over the whole file: queue its dirty pages for
-/// writing and return without waiting.
-fn start_writeback(file: &std::fs::File, path: &Path) -> anyhow::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: a plain system call on an open descriptor.
-    let r = unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+/// `sync_file_range(SYNC_FILE_RANGE_WRITE)` over the whole file open as `fd`: queue its dirty
+/// pages for writing and return without waiting.
+fn start_writeback(fd: std::os::fd::RawFd, path: &Path) -> anyhow::Result<()> {
+    // SAFETY: a plain system call on a descriptor the caller holds open.
+    let r = unsafe { libc::sync_file_range(fd, 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
     if r != 0 {
         let e = std::io::Error::last_os_error();
         anyhow::bail!("{}: starting writeback: {e}", path.display());

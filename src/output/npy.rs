@@ -19,6 +19,7 @@ use memmap2::{MmapMut, MmapOptions};
 use serde_json::{Map, Value};
 use std::fs::{File, OpenOptions};
 use std::io::Read;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -121,12 +122,6 @@ impl NpySink {
         Self::open(dir, header, None, sync)
     }
 
-    /// Reopen `dir` for appending: check `schema_version` and `feature_fingerprint` against
-    /// `header` (an error that says to run `ailhd rebuild` if they differ) and each column's
-    /// header against the layout, then cut every column back to the committed rows (the
-    /// smallest header shape; rows past it are a crashed writer's partial batch).
-    ///
-    /// `keep`: as for [`super::hdf5::Hdf5Sink::open_append`], rows past it are reclaimed too.
     /// The rows [`NpySink::open_append`] takes as committed (the smallest header shape of the
     /// columns), read without opening anything for writing.
     pub fn committed_rows_on_disk(dir: &Path, header: &OutputHeader) -> Result<u64> {
@@ -140,6 +135,12 @@ impl NpySink {
         Ok(if rows == u64::MAX { 0 } else { rows })
     }
 
+    /// Reopen `dir` for appending: check `schema_version` and `feature_fingerprint` against
+    /// `header` (an error that says to run `ailhd rebuild` if they differ) and each column's
+    /// header against the layout, then cut every column back to the committed rows (the
+    /// smallest header shape; rows past it are a crashed writer's partial batch).
+    ///
+    /// `keep`: as for [`super::hdf5::Hdf5Sink::open_append`], rows past it are reclaimed too.
     pub fn open_append(dir: &Path, header: &OutputHeader, keep: Option<u64>) -> Result<Self> {
         Self::open(dir, header, keep, true)
     }
@@ -428,7 +429,7 @@ impl SplitSink for NpySink {
 
     fn start_writeback(&mut self) -> Result<()> {
         for c in &self.cols {
-            super::start_writeback(&c.file, &c.path)?;
+            super::start_writeback(c.file.as_raw_fd(), &c.path)?;
         }
         Ok(())
     }
