@@ -477,9 +477,10 @@ impl Worker {
         self.failures += 1;
         let wait = Self::backoff(self.failures);
         let error = format!("{e:#}");
-        let what = match e.downcast_ref::<crate::engine::FeaturiserFailed>() {
-            Some(_) => "featurising",
-            None => "writing",
+        // What failed, as the log says it and as the errors metric counts it.
+        let (what, metric) = match e.downcast_ref::<crate::engine::FeaturiserFailed>() {
+            Some(_) => ("featurising", "featurise"),
+            None => ("writing", "write"),
         };
         crate::metrics::write_failing(true);
         if first {
@@ -487,11 +488,7 @@ impl Worker {
                 "{what} failed, nothing of the batch was recorded: {error}; the service stays up and tries again in {} s",
                 wait.as_secs()
             );
-            crate::metrics::error(if what == "writing" {
-                "write"
-            } else {
-                "featurise"
-            });
+            crate::metrics::error(metric);
             self.recent.push_error(format!("{what}: {error}"));
         } else {
             log::warn!(

@@ -544,8 +544,8 @@ impl Translator {
     fn arrived(&mut self, abs: &Path, rel: PathBuf, emit: &mut dyn FnMut(WatchEvent)) {
         match std::fs::symlink_metadata(abs) {
             // A folder moved in: its files were renamed into place with it, as complete as a
-            // file renamed alone (the README: a complete file is one "closed, or renamed into place").
-            // Each is still probed (header consistent with its size) before it goes, and a
+            // file renamed alone (the README: a complete file is one "closed, or renamed into
+            // place"). Each is still probed (header consistent with its size) before it goes, and a
             // writer that goes on writing raises events in the now-watched folder, so its new
             // bytes supersede the row.
             Ok(meta) if meta.is_dir() => self.dir_appeared(abs, rel, TouchKind::MovedIn, emit),
