@@ -308,23 +308,12 @@ print(json.dumps(res))
 fn a_lost_state_is_rebuilt_from_the_outputs_and_no_row_moves() {
     let world = World::new(FAST);
     let rec = world.rec();
-    let clip = |label: &str, i: u64| {
-        ailhd::synth::wav_pcm16(&ailhd::synth::clip(label, 500 + i, 4096, 10.0), 4096)
-    };
-    for i in 0..8u64 {
-        let label = ["LEAK", "NORMAL"][i as usize % 2];
-        let rel = format!("{label}/{}", ailhd::synth::file_name(i as usize, 1));
-        write_via_rename(&rec, &rel, &clip(label, i));
+    let clip = |label: &str, i: u64| clip_wav(label, 500 + i);
+    let names: Vec<String> = (0..8).map(|i| alternating(i, 1).1).collect();
+    for i in 0..8 {
+        let (label, rel) = alternating(i, 1);
+        write_via_rename(&rec, &rel, &clip(label, i as u64));
     }
-    let names: Vec<String> = (0..8)
-        .map(|i| {
-            format!(
-                "{}/{}",
-                ["LEAK", "NORMAL"][i % 2],
-                ailhd::synth::file_name(i, 1)
-            )
-        })
-        .collect();
     // The same bytes under a second, larger path (it owns nothing), and a file that is no WAV.
     write_via_rename(&rec, "NORMAL/zz_copy.wav", &clip("LEAK", 0));
     write_via_rename(&rec, "LEAK/broken.wav", b"not a wav at all");
@@ -432,20 +421,11 @@ fn committed_rows(world: &World) -> Vec<u64> {
 fn rows_committed_before_a_kill_in_the_manifest_window_are_adopted_not_cut() {
     let world = World::new(FAST);
     let rec = world.rec();
-    let clip = |label: &str, i: u64| {
-        ailhd::synth::wav_pcm16(&ailhd::synth::clip(label, 700 + i, 4096, 10.0), 4096)
-    };
-    let names: Vec<String> = (0..6)
-        .map(|i| {
-            format!(
-                "{}/{}",
-                ["LEAK", "NORMAL"][i % 2],
-                ailhd::synth::file_name(i, 2)
-            )
-        })
-        .collect();
-    for (i, rel) in names.iter().enumerate() {
-        write_via_rename(&rec, rel, &clip(&rel[..rel.find('/').unwrap()], i as u64));
+    let clip = |label: &str, i: u64| clip_wav(label, 700 + i);
+    let names: Vec<String> = (0..6).map(|i| alternating(i, 2).1).collect();
+    for i in 0..6 {
+        let (label, rel) = alternating(i, 2);
+        write_via_rename(&rec, &rel, &clip(label, i as u64));
     }
     // The same bytes as names[0] under a larger path (it owns nothing yet).
     write_via_rename(&rec, "NORMAL/zz_copy.wav", &clip("LEAK", 0));
@@ -521,14 +501,8 @@ fn rows_committed_before_a_kill_in_the_manifest_window_are_adopted_not_cut() {
 fn an_unreadable_manifest_is_set_aside_and_rebuilt_from_the_outputs() {
     let world = World::new(FAST);
     for i in 0..4usize {
-        let label = ["LEAK", "NORMAL"][i % 2];
-        let bytes =
-            ailhd::synth::wav_pcm16(&ailhd::synth::clip(label, 700 + i as u64, 4096, 10.0), 4096);
-        write_via_rename(
-            &world.rec(),
-            &format!("{label}/{}", ailhd::synth::file_name(i, 2)),
-            &bytes,
-        );
+        let (label, rel) = alternating(i, 2);
+        write_via_rename(&world.rec(), &rel, &clip_wav(label, 700 + i as u64));
     }
     let svc = Service::start(&world);
     svc.wait("4 files committed", |s| committed(s) == 4);

@@ -14,17 +14,13 @@ use std::time::Duration;
 const FAST: &str = "[ingest]\nsettle_ms = 100\nquarantine_after_s = 2\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n";
 
 fn clip(label: &str, i: usize) -> Vec<u8> {
-    ailhd::synth::wav_pcm16(&ailhd::synth::clip(label, 900 + i as u64, 4096, 10.0), 4096)
+    clip_wav(label, 900 + i as u64)
 }
 
 fn add(world: &World, range: std::ops::Range<usize>) {
     for i in range {
-        let label = ["LEAK", "NORMAL"][i % 2];
-        write_via_rename(
-            &world.rec(),
-            &format!("{label}/{}", ailhd::synth::file_name(i, 4)),
-            &clip(label, i),
-        );
+        let (label, rel) = alternating(i, 4);
+        write_via_rename(&world.rec(), &rel, &clip(label, i));
     }
 }
 

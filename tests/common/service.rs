@@ -161,6 +161,21 @@ pub fn fixture_bytes(name: &str) -> Vec<u8> {
     std::fs::read(fixtures().join("wav").join(format!("{name}.wav"))).unwrap()
 }
 
+/// A synthetic 10 s clip of `label` (4096 Hz, 16-bit), as WAV bytes; `seed` makes it unique.
+pub fn clip_wav(label: &str, seed: u64) -> Vec<u8> {
+    ailhd::synth::wav_pcm16(&ailhd::synth::clip(label, seed, 4096, 10.0), 4096)
+}
+
+/// The label and the path of recording `i` of a series that alternates LEAK and NORMAL (its
+/// file name from `synth::file_name(i, series)`).
+pub fn alternating(i: usize, series: u64) -> (&'static str, String) {
+    let label = ["LEAK", "NORMAL"][i % 2];
+    (
+        label,
+        format!("{label}/{}", ailhd::synth::file_name(i, series)),
+    )
+}
+
 pub fn write_via_rename(rec: &Path, rel: &str, bytes: &[u8]) {
     let dst = rec.join(rel);
     std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
