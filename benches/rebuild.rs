@@ -43,10 +43,7 @@ fn main() {
         t.elapsed().as_secs_f64()
     );
 
-    let mut s = Settings::default();
-    s.paths.recordings = dir.path().join("rec");
-    s.paths.output = dir.path().join("out");
-    s.paths.state = dir.path().join("state");
+    let s = Settings::in_folder(dir.path());
     let ui = Ui { progress: false };
     // First run warms the page cache (and the allocator); then ailhd and the baseline take
     // turns, three times each, and the medians are compared (the machine's load drifts).

@@ -725,6 +725,16 @@ impl Settings {
             .and_then(|s| SPLITS.iter().position(|x| x == s))
     }
 
+    /// The defaults with the recordings, the outputs and the state in one folder (`rec`, `out`,
+    /// `state` under `dir`): for tests and benchmarks.
+    pub fn in_folder(dir: &Path) -> Settings {
+        let mut s = Settings::default();
+        s.paths.recordings = dir.join("rec");
+        s.paths.output = dir.join("out");
+        s.paths.state = dir.join("state");
+        s
+    }
+
     pub fn worker_threads(&self) -> usize {
         if self.ingest.workers == 0 {
             std::thread::available_parallelism()

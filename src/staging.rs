@@ -189,17 +189,10 @@ fn sync_dir(p: &Path) {
 mod tests {
     use super::*;
 
-    fn settings(dir: &Path) -> Settings {
-        let mut s = Settings::default();
-        s.paths.output = dir.join("out");
-        s.paths.state = dir.join("state");
-        s
-    }
-
     #[test]
     fn stale_staging_is_removed_only_without_a_writer_and_without_a_journal() {
         let dir = tempfile::tempdir().unwrap();
-        let s = settings(dir.path());
+        let s = Settings::in_folder(dir.path());
         assert!(remove_stale(&s).unwrap().is_empty());
         std::fs::create_dir_all(output_staging(&s).join("npy")).unwrap();
         std::fs::create_dir_all(manifest_staging(&s)).unwrap();
@@ -220,7 +213,7 @@ mod tests {
     #[test]
     fn swap_moves_staged_outputs_over_old_ones_and_is_idempotent() {
         let dir = tempfile::tempdir().unwrap();
-        let s = settings(dir.path());
+        let s = Settings::in_folder(dir.path());
         std::fs::create_dir_all(npy_dir(&s.paths.output, 0)).unwrap();
         std::fs::write(npy_dir(&s.paths.output, 0).join("labels.npy"), b"old").unwrap();
         std::fs::write(hdf5_path(&s.paths.output, &s.outputs.hdf5_names, 0), b"old").unwrap();
@@ -269,7 +262,7 @@ mod tests {
     #[test]
     fn swap_rolls_forward_from_a_crash_between_its_moves() {
         let dir = tempfile::tempdir().unwrap();
-        let s = settings(dir.path());
+        let s = Settings::in_folder(dir.path());
         prepare(&s).unwrap();
         let stage = output_staging(&s);
         let h0 = hdf5_path(&s.paths.output, &s.outputs.hdf5_names, 0);

@@ -14,10 +14,7 @@ fn open_descriptors() -> u64 {
 #[test]
 fn a_batch_larger_than_the_descriptor_limit_is_rebuilt_whole() {
     let dir = tempfile::tempdir().unwrap();
-    let mut s = Settings::default();
-    s.paths.recordings = dir.path().join("rec");
-    s.paths.output = dir.path().join("out");
-    s.paths.state = dir.path().join("state");
+    let s = Settings::in_folder(dir.path());
     // 3 labels x 100 clips: one CPU batch of 256 and the rest.
     ailhd::synth::write_tree(&s.paths.recordings, &["LEAK", "NORMAL", "CRACK"], 100, 7).unwrap();
 

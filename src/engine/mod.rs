@@ -750,10 +750,7 @@ mod tests {
     #[test]
     fn a_failed_featuriser_stops_the_engine_with_its_own_error() {
         let dir = tempfile::tempdir().unwrap();
-        let mut s = Settings::default();
-        s.paths.recordings = dir.path().join("rec");
-        s.paths.output = dir.path().join("out");
-        s.paths.state = dir.path().join("state");
+        let s = Settings::in_folder(dir.path());
         let leak = s.paths.recordings.join("LEAK");
         std::fs::create_dir_all(&leak).unwrap();
         let shape = s.features.shape();

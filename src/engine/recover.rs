@@ -496,13 +496,6 @@ mod tests {
     use crate::engine::ledger::row_meta;
     use half::f16;
 
-    fn settings(dir: &Path) -> Settings {
-        let mut s = Settings::default();
-        s.paths.output = dir.join("out");
-        s.paths.state = dir.join("state");
-        s
-    }
-
     fn append(outputs: &mut OutputSet, settings: &Settings, split: usize, rows: &[(&str, u8)]) {
         let row_len = settings.features.shape().row_len();
         let metas: Vec<_> = rows
@@ -547,7 +540,7 @@ mod tests {
     #[test]
     fn a_lost_batch_is_adopted_as_the_ledger_decided_it() {
         let dir = tempfile::tempdir().unwrap();
-        let s = settings(dir.path());
+        let s = Settings::in_folder(dir.path());
         let header = OutputHeader {
             labels: s.labels.names.clone(),
             features: s.features.clone(),
