@@ -68,27 +68,42 @@ pub fn rebuild_shard(
     staging::finish_pending(settings)?;
     staging::prepare(settings)?;
 
-    // Appended labels keep their ids across rebuilds. Opening the old manifest (tens of ms:
-    // sled recovers its log) runs while the tree is scanned and the featuriser is built.
-    let old_manifest = staging::manifest_dir(settings);
-    let appended_before = std::thread::spawn(move || -> anyhow::Result<Vec<String>> {
-        Ok(if old_manifest.exists() {
-            Manifest::open(&old_manifest)?.appended_labels()?
-        } else {
-            Vec::new()
-        })
-    });
-    // Building a GPU featuriser (context, NVRTC, plans, self-check) takes a good part of a
-    // second: it runs while the tree is scanned.
+    // Start-up work runs side by side: opening the old manifest (for the labels it appended,
+    // which keep their ids across rebuilds; tens of ms while sled recovers its log), building
+    // the featuriser (a GPU's takes a good part of a second: context, NVRTC, plans,
+    // self-check), making the empty staging outputs and manifest (with the configured labels;
+    // appended ones are added below), and scanning the tree.
     let threads = settings.worker_threads();
-    let featuriser_start = {
-        let features = settings.features.clone();
-        std::thread::spawn(move || features::build(&features, device, threads))
-    };
-    let found = source::scan(&settings.paths.recordings)?;
-    let appended_before = appended_before
-        .join()
-        .expect("reading the old manifest panicked")?;
+    let (found, appended_before, featuriser, stores) = std::thread::scope(|scope| {
+        let appended_before = scope.spawn(|| -> anyhow::Result<Vec<String>> {
+            let old_manifest = staging::manifest_dir(settings);
+            Ok(if old_manifest.exists() {
+                Manifest::open(&old_manifest)?.appended_labels()?
+            } else {
+                Vec::new()
+            })
+        });
+        let featuriser = scope.spawn(|| features::build(&settings.features, device, threads));
+        let stores = scope.spawn(|| {
+            Engine::create_bulk(
+                settings,
+                &staging::output_staging(settings),
+                &staging::manifest_staging(settings),
+                &settings.labels.names,
+            )
+        });
+        let found = source::scan(&settings.paths.recordings);
+        (
+            found,
+            appended_before
+                .join()
+                .expect("reading the old manifest panicked"),
+            featuriser.join().expect("featuriser start-up panicked"),
+            stores.join().expect("making the staging outputs panicked"),
+        )
+    });
+    let (found, appended_before, featuriser, stores) =
+        (found?, appended_before?, featuriser?, stores?);
     let mut labels = LabelSet::new(
         &settings.labels.names,
         &appended_before,
@@ -100,9 +115,6 @@ pub fn rebuild_shard(
             let _ = labels.resolve(folder);
         }
     }
-    let featuriser = featuriser_start
-        .join()
-        .expect("featuriser start-up panicked")?;
     let batch = featuriser.bulk_batch().max(1);
     log::info!(
         "rebuild: {} recordings under {}, featurising on {}",
@@ -110,13 +122,7 @@ pub fn rebuild_shard(
         settings.paths.recordings.display(),
         featuriser.name()
     );
-    let mut engine = Engine::open_bulk(
-        settings,
-        featuriser,
-        &staging::output_staging(settings),
-        &staging::manifest_staging(settings),
-        labels,
-    )?;
+    let mut engine = Engine::open_bulk(settings, featuriser, stores, labels)?;
     engine.set_shard(shard);
     let bar = progress_bar(ui.progress, found.len() as u64);
     let ingest_start = Instant::now();
@@ -304,4 +310,61 @@ pub fn summary(settings: &Settings, r: &RebuildReport) -> String {
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::UnknownLabel;
+
+    /// The labels in an npy output's `attributes.json`.
+    fn npy_labels(s: &Settings, split: usize) -> Vec<String> {
+        let attrs = crate::output::npy_dir(&s.paths.output, split).join("attributes.json");
+        let attrs: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(attrs).unwrap()).unwrap();
+        serde_json::from_str(attrs["labels_json"].as_str().unwrap()).unwrap()
+    }
+
+    /// Under `labels.unknown = "append"`, a label folder gets the next id, in path order, and
+    /// keeps it in later rebuilds, even once its folder is gone (ids are never renumbered). The
+    /// staging outputs are made with the configured labels while the old manifest is read:
+    /// the appended ones must reach them (and the manifest) all the same.
+    #[test]
+    fn appended_labels_keep_their_ids_across_rebuilds() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = Settings::in_folder(dir.path());
+        s.labels.unknown = UnknownLabel::Append;
+        s.outputs.npy = true;
+        let rec = &s.paths.recordings;
+        crate::synth::write_tree(rec, &["LEAK", "VALVE"], 2, 1).unwrap();
+        crate::synth::write_tree(rec, &["PUMP"], 2, 2).unwrap();
+        let ui = Ui { progress: false };
+        let configured = s.labels.names.clone();
+        let with = |extra: &[&str]| -> Vec<String> {
+            let mut l = configured.clone();
+            l.extend(extra.iter().map(|x| x.to_string()));
+            l
+        };
+
+        let first = rebuild(&s, DeviceChoice::Cpu, &ui).unwrap();
+        assert_eq!(first.labels, with(&["PUMP", "VALVE"]));
+        std::fs::remove_dir_all(rec.join("PUMP")).unwrap();
+        crate::synth::write_tree(rec, &["DRIP"], 2, 3).unwrap();
+        let second = rebuild(&s, DeviceChoice::Cpu, &ui).unwrap();
+        let want = with(&["PUMP", "VALVE", "DRIP"]);
+        assert_eq!(second.labels, want);
+        for split in 0..3 {
+            assert_eq!(npy_labels(&s, split), want, "split {split}");
+        }
+        let manifest = Manifest::open(&staging::manifest_dir(&s)).unwrap();
+        assert_eq!(
+            manifest.appended_labels().unwrap(),
+            ["PUMP", "VALVE", "DRIP"]
+        );
+        // Rows carry the kept ids: VALVE's are 6 in both runs.
+        let valve = want.iter().position(|l| l == "VALVE").unwrap();
+        assert_eq!(first.rows_per_label[valve], 2);
+        assert_eq!(second.rows_per_label[valve], 2);
+        assert_eq!(second.rows_per_label[configured.len()], 0, "PUMP is gone");
+    }
 }

@@ -26,13 +26,28 @@ fn file_len(dir: &Path, name: &str) -> u64 {
 
 #[test]
 fn written_rows_load_with_numpy() {
+    rows_load_with_numpy(false);
+}
+
+/// A staging output (`rebuild`) skips the syncs of its commits; after its close, readers see
+/// the same columns.
+#[test]
+fn staged_rows_load_with_numpy() {
+    rows_load_with_numpy(true);
+}
+
+fn rows_load_with_numpy(staged: bool) {
     if !python_ready() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("npy/training");
     let h = header(false);
-    let mut sink = NpySink::create(&dir, &h).unwrap();
+    let mut sink = if staged {
+        NpySink::create_staged(&dir, &h).unwrap()
+    } else {
+        NpySink::create(&dir, &h).unwrap()
+    };
     assert_eq!(append(&mut sink, &h, 100), 0);
     sink.commit().unwrap();
     assert_eq!(append(&mut sink, &h, 150), 100);

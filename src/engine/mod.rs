@@ -98,6 +98,14 @@ pub enum Warm {
     Keep(Box<dyn Featuriser>),
 }
 
+/// Empty staging outputs and manifest for `rebuild` ([`Engine::create_bulk`]).
+pub struct BulkStores {
+    outputs: OutputSet,
+    manifest: Manifest,
+    /// The label list the outputs were made with.
+    labels: Vec<String>,
+}
+
 pub struct Engine {
     settings: Settings,
     shape: FeatureShape,
@@ -239,22 +247,44 @@ impl Engine {
         ))
     }
 
-    /// `rebuild`'s engine: empty outputs in `out_dir` and an empty manifest in `manifest_dir`
-    /// (staging, swapped in by the caller once [`Engine::finish`] returns).
-    pub fn open_bulk(
+    /// `rebuild`'s stores: empty outputs in `out_dir` and an empty manifest in `manifest_dir`
+    /// (staging, swapped in by the caller once [`Engine::finish`] returns), made with the
+    /// label list known so far (`rebuild` makes them while it reads the old manifest for the
+    /// labels it appended; [`Engine::open_bulk`] extends the list).
+    pub fn create_bulk(
         settings: &Settings,
-        featuriser: Box<dyn Featuriser>,
         out_dir: &Path,
         manifest_dir: &Path,
-        labels: LabelSet,
-    ) -> anyhow::Result<Engine> {
+        labels: &[String],
+    ) -> anyhow::Result<BulkStores> {
         let header = OutputHeader {
-            labels: labels.names.clone(),
+            labels: labels.to_vec(),
             features: settings.features.clone(),
             path_bytes: settings.outputs.path_bytes,
         };
-        let outputs = OutputSet::create(out_dir, &settings.outputs, &header, false)?;
-        let manifest = Manifest::open(manifest_dir)?;
+        Ok(BulkStores {
+            outputs: OutputSet::create(out_dir, &settings.outputs, &header, false)?,
+            manifest: Manifest::open(manifest_dir)?,
+            labels: labels.to_vec(),
+        })
+    }
+
+    /// `rebuild`'s engine, on the stores of [`Engine::create_bulk`], with the whole label list
+    /// (which extends the one they were made with).
+    pub fn open_bulk(
+        settings: &Settings,
+        featuriser: Box<dyn Featuriser>,
+        stores: BulkStores,
+        labels: LabelSet,
+    ) -> anyhow::Result<Engine> {
+        let BulkStores {
+            mut outputs,
+            manifest,
+            labels: made_with,
+        } = stores;
+        if labels.names != made_with {
+            outputs.set_labels(&labels.names)?;
+        }
         let mut meta = manifest::ManifestBatch::default();
         meta.put_meta("feature_fingerprint", &settings.features.fingerprint());
         meta.put_labels(&labels.names, settings.labels.names.len());

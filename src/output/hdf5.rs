@@ -106,6 +106,10 @@ pub struct Hdf5Sink {
     dirty: bool,
     /// What the rows must look like (checked against the file by `open_append`).
     header: OutputHeader,
+    /// A staging output (`rebuild`): no reader opens it before it is swapped in, and a crash
+    /// before that discards it, so its commits write `committed_rows` without flushing, and its
+    /// close writes everything and syncs the file once.
+    staged: bool,
 }
 
 struct Column {
@@ -207,6 +211,7 @@ impl Hdf5Sink {
             labels: header.labels.clone(),
             dirty: false,
             header: header.clone(),
+            staged: !sync,
         };
         if sync {
             sink.flush_and_sync()?;
@@ -363,6 +368,7 @@ impl Hdf5Sink {
             labels,
             dirty: false,
             header: header.clone(),
+            staged: false,
         };
         // Rows past committed_rows are the partial batch of a crashed writer: drop them so
         // that every dataset again has exactly committed_rows rows.
@@ -432,7 +438,9 @@ impl Hdf5Sink {
             write_fixed_text_attr(file, name, value)
                 .with_context(|| format!("{}: writing attribute {name}", self.path.display()))?;
         }
-        self.flush_and_sync()?;
+        if !self.staged {
+            self.flush_and_sync()?;
+        }
         self.labels = labels.to_vec();
         Ok(())
     }
@@ -527,6 +535,14 @@ impl Hdf5Sink {
         .with_context(|| format!("{}: flushing to disk", self.path.display()))
     }
 
+    fn write_committed_rows(&self) -> Result<()> {
+        self.committed_ds
+            .as_ref()
+            .context("closed")?
+            .write(&[self.len as i64])
+            .with_context(|| format!("{}: writing committed_rows", self.path.display()))
+    }
+
     /// Shrink away uncommitted rows, flush, close. Idempotent.
     fn finish(&mut self) -> Result<()> {
         if self.file.is_none() {
@@ -540,15 +556,26 @@ impl Hdf5Sink {
             );
         }
         let committed = self.committed;
-        let result = self
-            .resize_all(committed)
-            .and_then(|()| self.flush_and_sync());
+        let result = self.resize_all(committed).and_then(|()| {
+            if self.staged {
+                Ok(())
+            } else {
+                self.flush_and_sync()
+            }
+        });
         self.cols.clear();
         self.committed_ds = None;
         let file = self.file.take().expect("checked above");
         file.close()
             .with_context(|| format!("{}: closing", self.path.display()))?;
-        result
+        result?;
+        if self.staged {
+            // Closing wrote everything out; one sync, outside HDF5's lock, makes it durable.
+            std::fs::File::open(&self.path)
+                .and_then(|f| f.sync_data())
+                .with_context(|| format!("{}: syncing", self.path.display()))?;
+        }
+        Ok(())
     }
 }
 
@@ -607,13 +634,16 @@ impl SplitSink for Hdf5Sink {
         if !self.dirty {
             return Ok(());
         }
+        if self.staged {
+            // Nobody opens a staging output before its close has synced it.
+            self.write_committed_rows()?;
+            self.committed = self.len;
+            self.dirty = false;
+            return Ok(());
+        }
         // Data first, durably; only then the count that makes it visible.
         self.flush_and_sync()?;
-        self.committed_ds
-            .as_ref()
-            .context("closed")?
-            .write(&[self.len as i64])
-            .with_context(|| format!("{}: writing committed_rows", self.path.display()))?;
+        self.write_committed_rows()?;
         self.flush_and_sync()?;
         self.committed = self.len;
         self.dirty = false;

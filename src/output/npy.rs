@@ -39,6 +39,10 @@ pub struct NpySink {
     /// Rows appended or cells edited since the last commit.
     dirty: bool,
     closed: bool,
+    /// A staging output (`rebuild`): no reader sees it before it is swapped in, and a crash
+    /// before that discards it, so its commits only count the rows and its close makes every
+    /// file durable at once (one `fdatasync` each, instead of two rounds per commit).
+    staged: bool,
 }
 
 struct NpyColumn {
@@ -119,7 +123,9 @@ impl NpySink {
             sync_dir(dir.parent().unwrap_or(Path::new(".")))?;
         }
         // New columns hold no rows: nothing to cut back (and to sync) when staged.
-        Self::open(dir, header, None, sync)
+        let mut sink = Self::open(dir, header, None, sync)?;
+        sink.staged = !sync;
+        Ok(sink)
     }
 
     /// The rows [`NpySink::open_append`] takes as committed (the smallest header shape of the
@@ -220,6 +226,7 @@ impl NpySink {
             labels,
             dirty: false,
             closed: false,
+            staged: false,
         };
         for c in &mut sink.cols {
             let size = c.file.metadata()?.len();
@@ -260,7 +267,7 @@ impl NpySink {
             .insert("labels_json".into(), Value::from(labels_json(labels)));
         self.attrs
             .insert("label2id_json".into(), Value::from(label2id_json(labels)));
-        write_attributes(&self.dir, &self.attrs, self.committed, true)?;
+        write_attributes(&self.dir, &self.attrs, self.committed, !self.staged)?;
         self.labels = labels.to_vec();
         Ok(())
     }
@@ -277,18 +284,38 @@ impl NpySink {
     /// Make `rows` the length of every column, durably: truncate the data, rewrite the headers
     /// and `attributes.json`.
     fn cut_to(&mut self, rows: u64) -> Result<()> {
+        let sync = !self.staged;
         for c in &mut self.cols {
             c.edit_map = None;
             c.file
                 .set_len(c.data_offset(rows))
-                .and_then(|()| c.file.sync_all())
+                .and_then(|()| if sync { c.file.sync_all() } else { Ok(()) })
                 .with_context(|| format!("truncating {}", c.path.display()))?;
-            c.write_shape(rows)?;
+            c.write_shape(rows, sync)?;
         }
-        write_attributes(&self.dir, &self.attrs, rows, true)?;
+        write_attributes(&self.dir, &self.attrs, rows, sync)?;
+        if !sync {
+            self.sync_staged()?;
+        }
         self.len = rows;
         self.committed = rows;
         Ok(())
+    }
+
+    /// A staging output's close: every column (rows, cell edits and header, all written through
+    /// the page cache, which `fdatasync` writes back whether they came by `pwrite` or through a
+    /// shared map, unmapped or not), `attributes.json`, and the folder, each synced once.
+    fn sync_staged(&self) -> Result<()> {
+        for c in &self.cols {
+            c.file
+                .sync_data()
+                .with_context(|| format!("syncing {}", c.path.display()))?;
+        }
+        let attributes = self.dir.join(ATTRIBUTES);
+        File::open(&attributes)
+            .and_then(|f| f.sync_all())
+            .with_context(|| format!("syncing {}", attributes.display()))?;
+        sync_dir(&self.dir)
     }
 
     fn write_cell(&mut self, name: &str, row: u64, bytes: &[u8]) -> Result<()> {
@@ -330,11 +357,14 @@ impl NpySink {
                 self.len - self.committed
             );
         }
-        // Cell edits are in place (not transactional): make them durable too.
-        for c in &mut self.cols {
-            if let Some(m) = &c.edit_map {
-                m.flush()
-                    .with_context(|| format!("flushing {}", c.path.display()))?;
+        // Cell edits are in place (not transactional): make them durable too (a staging
+        // output's are, by the syncs of its cut).
+        if !self.staged {
+            for c in &self.cols {
+                if let Some(m) = &c.edit_map {
+                    m.flush()
+                        .with_context(|| format!("flushing {}", c.path.display()))?;
+                }
             }
         }
         let committed = self.committed;
@@ -347,10 +377,13 @@ impl NpyColumn {
         self.header_len as u64 + row * self.spec.row_bytes() as u64
     }
 
-    /// Rewrite the shape in the header, in place, and wait for it to reach the disk.
-    fn write_shape(&mut self, rows: u64) -> Result<()> {
+    /// Rewrite the shape in the header, in place; with `sync`, wait for it to reach the disk.
+    fn write_shape(&mut self, rows: u64, sync: bool) -> Result<()> {
         self.header_map
             .copy_from_slice(&npy_header(&self.spec, rows, self.header_len));
+        if !sync {
+            return Ok(());
+        }
         self.header_map
             .flush()
             .with_context(|| format!("writing the header of {}", self.path.display()))
@@ -402,6 +435,13 @@ impl SplitSink for NpySink {
         if !self.dirty {
             return Ok(());
         }
+        if self.staged {
+            // Nobody reads a staging output before its close has synced it: the rows count
+            // at once.
+            self.committed = self.len;
+            self.dirty = false;
+            return Ok(());
+        }
         // Data (appended rows and in-place edits) durable in every column before any header
         // says it is there.
         for c in &self.cols {
@@ -415,7 +455,7 @@ impl SplitSink for NpySink {
         }
         let rows = self.len;
         for c in &mut self.cols {
-            c.write_shape(rows)?;
+            c.write_shape(rows, true)?;
         }
         write_attributes(&self.dir, &self.attrs, rows, true)?;
         self.committed = rows;

@@ -171,11 +171,22 @@ impl OutputSet {
         Ok(())
     }
 
+    /// Close every sink, all at once: their closing syncs wait on the disk together. Every sink
+    /// is closed whatever the others do; the first error (in sink order) is returned.
     pub fn close(self) -> anyhow::Result<()> {
-        for sink in self.splits.into_iter().flatten() {
-            sink.close()?;
-        }
-        Ok(())
+        std::thread::scope(|scope| {
+            let closing: Vec<_> = self
+                .splits
+                .into_iter()
+                .flatten()
+                .map(|sink| scope.spawn(move || sink.close()))
+                .collect();
+            closing
+                .into_iter()
+                .map(|h| h.join().expect("closing an output panicked"))
+                .collect::<anyhow::Result<Vec<()>>>()
+        })
+        .map(drop)
     }
 }
 
