@@ -25,7 +25,8 @@ use crate::engine::manifest::{now_ms, ContentRecord, FileRecord, Manifest, RowRe
 use crate::engine::outcome::{Load, Loaded, Observation, Reason};
 use crate::identity::{self, Hash, LabelSet, Placement, PlacementError};
 use crate::output::RowMeta;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -120,6 +121,30 @@ pub struct Ledger {
     contents: HashMap<Hash, (Option<ContentRecord>, u64)>,
     /// The newest batch the commit stage has made durable.
     committed: Arc<AtomicU64>,
+    /// For a store that began empty and that only this ledger writes to (`rebuild`'s staging
+    /// manifest): what it has decided so far. A key it never decided is not in the store, so
+    /// most lookups (every new path, every new content) skip it.
+    decided: Option<Decided>,
+}
+
+/// Fingerprints of the keys a [`Ledger`] decided. A fingerprint that matches (the key was
+/// decided, or, rarely, another one shares its fingerprint) sends the lookup to the store, so
+/// the answers are the store's own.
+#[derive(Default)]
+struct Decided {
+    paths: HashSet<u64>,
+    /// The first 8 bytes of the content hash (blake3: already uniform).
+    contents: HashSet<u64>,
+    hasher: std::hash::RandomState,
+}
+
+impl Decided {
+    fn path_key(&self, rel: &str) -> u64 {
+        self.hasher.hash_one(rel)
+    }
+    fn content_key(hash: &Hash) -> u64 {
+        u64::from_le_bytes(hash[..8].try_into().expect("32 bytes"))
+    }
 }
 
 /// How a path comes out of one observation.
@@ -148,6 +173,16 @@ impl Ledger {
             files: HashMap::new(),
             contents: HashMap::new(),
             committed: Arc::new(AtomicU64::new(0)),
+            decided: None,
+        }
+    }
+
+    /// A ledger over an empty store that only it will write to (`rebuild` into staging): it
+    /// asks the store only about keys it has decided before.
+    pub fn for_empty_store(settings: &Settings, labels: LabelSet) -> Ledger {
+        Ledger {
+            decided: Some(Decided::default()),
+            ..Ledger::new(settings, labels, [0; 3])
         }
     }
 
@@ -174,16 +209,18 @@ impl Ledger {
     }
 
     fn file(&self, store: &dyn Store, rel: &str) -> anyhow::Result<Option<FileRecord>> {
-        match self.files.get(rel) {
-            Some((r, _)) => Ok(r.clone()),
-            None => store.file(rel),
+        match (self.files.get(rel), &self.decided) {
+            (Some((r, _)), _) => Ok(r.clone()),
+            (None, Some(d)) if !d.paths.contains(&d.path_key(rel)) => Ok(None),
+            (None, _) => store.file(rel),
         }
     }
 
     fn content(&self, store: &dyn Store, hash: &Hash) -> anyhow::Result<Option<ContentRecord>> {
-        match self.contents.get(hash) {
-            Some((c, _)) => Ok(c.clone()),
-            None => store.content(hash),
+        match (self.contents.get(hash), &self.decided) {
+            (Some((c, _)), _) => Ok(c.clone()),
+            (None, Some(d)) if !d.contents.contains(&Decided::content_key(hash)) => Ok(None),
+            (None, _) => store.content(hash),
         }
     }
 
@@ -470,10 +507,16 @@ impl Ledger {
             }
         }
         for (rel, rec) in files {
+            if let Some(d) = &mut self.decided {
+                d.paths.insert(d.path_key(&rel));
+            }
             self.files.insert(rel.clone(), (rec.clone(), plan.gen));
             plan.files.push((rel, rec));
         }
         for (hash, c) in contents {
+            if let Some(d) = &mut self.decided {
+                d.contents.insert(Decided::content_key(&hash));
+            }
             self.contents.insert(hash, (c.clone(), plan.gen));
             plan.contents.push((hash, c));
         }
@@ -641,6 +684,69 @@ pub(crate) mod tests {
 
     const LEAK: i16 = 2;
     const NORMAL: i16 = 3;
+
+    /// A store that counts the lookups it answers, by key.
+    struct Asked<'a> {
+        model: &'a Model,
+        keys: std::cell::RefCell<Vec<String>>,
+    }
+
+    impl Store for Asked<'_> {
+        fn file(&self, rel: &str) -> anyhow::Result<Option<FileRecord>> {
+            self.keys.borrow_mut().push(rel.to_string());
+            self.model.file(rel)
+        }
+        fn content(&self, hash: &Hash) -> anyhow::Result<Option<ContentRecord>> {
+            self.keys.borrow_mut().push(format!("{:02x}", hash[0]));
+            self.model.content(hash)
+        }
+        fn files_under(&self, folder: &str) -> anyhow::Result<Vec<String>> {
+            self.model.files_under(folder)
+        }
+    }
+
+    /// `rebuild`'s ledger skips the store for keys it never decided (its store began empty),
+    /// and still finds the ones it did once their cache entries are gone (durable).
+    #[test]
+    fn a_ledger_over_an_empty_store_asks_it_only_about_what_it_decided() {
+        let s = Settings::default();
+        let labels = LabelSet::new(&s.labels.names, &[], s.labels.unknown);
+        let mut ledger = Ledger::for_empty_store(&s, labels);
+        let mut model = Model::default();
+        let decide = |ledger: &mut Ledger, model: &Model, obs| {
+            let asked = Asked {
+                model,
+                keys: Default::default(),
+            };
+            let plan = ledger.decide(&asked, obs).unwrap();
+            (plan, asked.keys.into_inner())
+        };
+        let (plan, asked) = decide(
+            &mut ledger,
+            &model,
+            vec![read("LEAK/a.wav", b"x"), read("LEAK/b.wav", b"y")],
+        );
+        assert_eq!(plan.counts.new_rows, 2);
+        assert!(
+            asked.is_empty(),
+            "nothing decided yet, nothing asked: {asked:?}"
+        );
+        model.commit(plan, &ledger);
+        // x's records are durable (out of the cache): its copy must find them in the store.
+        let (plan, asked) = decide(
+            &mut ledger,
+            &model,
+            vec![read("NORMAL/c.wav", b"x"), read("NORMAL/d.wav", b"z")],
+        );
+        assert_eq!(plan.counts.new_rows, 1, "the copy of x shares x's row");
+        assert_eq!(asked, [format!("{:02x}", h(b"x")[0])]);
+        model.commit(plan, &ledger);
+        // A path decided before is looked up (here: it is gone, and x's row goes to c).
+        let (plan, asked) = decide(&mut ledger, &model, vec![gone("LEAK/a.wav")]);
+        assert!(asked.contains(&"LEAK/a.wav".to_string()), "{asked:?}");
+        model.commit(plan, &ledger);
+        assert_eq!(model.valid_rows()[&h(b"x")].0, "NORMAL/c.wav");
+    }
 
     #[test]
     fn the_smallest_path_owns_shared_bytes_and_hands_over_in_place() {
@@ -838,25 +944,32 @@ pub(crate) mod tests {
             )
         }
 
-        fn world(mode: SplitMode) -> (Ledger, Model) {
+        /// The service's ledger, or (`bulk`) `rebuild`'s, over an empty store.
+        fn world(mode: SplitMode, bulk: bool) -> (Ledger, Model) {
             let mut s = Settings::default();
             s.splits.mode = mode;
             s.splits.directories.insert("a".into(), "training".into());
             s.splits.directories.insert("b".into(), "testing".into());
             let labels = LabelSet::new(&s.labels.names, &[], s.labels.unknown);
-            (Ledger::new(&s, labels, [0; 3]), Model::default())
+            let ledger = if bulk {
+                Ledger::for_empty_store(&s, labels)
+            } else {
+                Ledger::new(&s, labels, [0; 3])
+            };
+            (ledger, Model::default())
         }
 
         proptest! {
             #![proptest_config(ProptestConfig::with_cases(300))]
             /// The service (any arrival order, any batch sizes, rereads queued like the daemon
             /// does) ends with the same valid rows, column by column, as a rebuild of the
-            /// final tree; and a row is never written twice or lost.
+            /// final tree (in path order, in batches, by its own ledger); and a row is never
+            /// written twice or lost.
             #[test]
             fn service_history_ends_where_rebuild_of_the_final_tree_does(
                 (steps, sizes, mode) in history()
             ) {
-                let (mut ledger, mut model) = world(mode);
+                let (mut ledger, mut model) = world(mode, false);
                 // The tree as it is while the service runs; each step changes it and is observed.
                 let mut tree: BTreeMap<String, u8> = BTreeMap::new();
                 let mut steps = steps.into_iter().peekable();
@@ -888,12 +1001,15 @@ pub(crate) mod tests {
                     rereads.extend(plan.reread.iter().cloned());
                     model.commit(plan, &ledger);
                 }
-                let (mut bulk, mut bulk_model) = world(mode);
-                let finals: Vec<Observation> =
-                    tree.iter().map(|(p, c)| read(p, &[*c])).collect();
-                let plan = bulk.decide(&bulk_model, finals).unwrap();
-                prop_assert!(plan.reread.is_empty());
-                bulk_model.commit(plan, &bulk);
+                // The rebuild: the final tree in path order, in batches, each made durable.
+                let (mut bulk, mut bulk_model) = world(mode, true);
+                let mut finals = tree.iter().map(|(p, c)| read(p, &[*c])).peekable();
+                while finals.peek().is_some() {
+                    let batch: Vec<Observation> = finals.by_ref().take(*size.next().unwrap()).collect();
+                    let plan = bulk.decide(&bulk_model, batch).unwrap();
+                    prop_assert!(plan.reread.is_empty());
+                    bulk_model.commit(plan, &bulk);
+                }
                 prop_assert_eq!(model.valid_rows(), bulk_model.valid_rows());
                 let live_files: BTreeMap<_, _> = model.files.iter().map(|(k, v)| (k.clone(), v.hash)).collect();
                 let bulk_files: BTreeMap<_, _> = bulk_model.files.iter().map(|(k, v)| (k.clone(), v.hash)).collect();

@@ -304,7 +304,11 @@ impl Engine {
         live: bool,
     ) -> Engine {
         let manifest = Arc::new(manifest);
-        let ledger = Ledger::new(settings, labels, rows);
+        let ledger = if live {
+            Ledger::new(settings, labels, rows)
+        } else {
+            Ledger::for_empty_store(settings, labels)
+        };
         let times = Arc::new(StageTimes::default());
         let device = featuriser.name();
         let shape = featuriser.shape();
