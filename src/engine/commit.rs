@@ -86,24 +86,23 @@ impl Committer {
     }
 
     /// One plan into staging outputs, which are swapped in only when complete: the records go
-    /// into the manifest beside the rows, on a thread of their own.
+    /// into the manifest beside the rows, on an output thread ([`crate::output::set::io_pool`]).
     fn commit_staged(&mut self, f: &Featurised) -> anyhow::Result<()> {
         let t = Instant::now();
         let batch = self.manifest_batch(&f.plan);
-        let manifest = self.manifest.clone();
-        let times = self.times.clone();
-        std::thread::scope(|scope| -> anyhow::Result<()> {
-            let recorded = scope.spawn(move || -> anyhow::Result<()> {
+        let (manifest, times) = (self.manifest.clone(), self.times.clone());
+        let mut recorded = None;
+        let mut written = None;
+        crate::output::set::io_pool().in_place_scope(|scope| {
+            scope.spawn(|_| {
                 let t = Instant::now();
-                manifest.apply(batch)?;
+                recorded = Some(manifest.apply(batch));
                 StageTimes::add(&times.manifest, t);
-                Ok(())
             });
-            let written = self.write(f).and_then(|()| self.outputs.start_writeback());
-            let recorded = recorded.join().expect("manifest writer panicked");
-            written?;
-            recorded
-        })?;
+            written = Some(self.write(f).and_then(|()| self.outputs.start_writeback()));
+        });
+        written.expect("written")?;
+        recorded.expect("recorded")?;
         StageTimes::add(&self.times.write, t);
         self.committed.store(f.plan.gen, Ordering::Release);
         Ok(())

@@ -195,7 +195,22 @@ enum Kind {
     Npy,
 }
 
-/// `f` on every sink at once: the first on this thread, the others on scoped threads (HDF5 calls
+/// Threads for the output work that runs beside the writer's own: the other sinks of an append
+/// or a commit, and the manifest's records (`rebuild`). Kept for the life of the process, so
+/// that a batch costs no thread start and its allocations reuse the threads' warm heaps; idle,
+/// they sleep.
+pub fn io_pool() -> &'static rayon::ThreadPool {
+    static POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .thread_name(|i| format!("ailhd-io-{i}"))
+            .build()
+            .expect("output threads start")
+    })
+}
+
+/// `f` on every sink at once: the first on this thread, the others on [`io_pool`] (HDF5 calls
 /// serialise on the library's lock; npy and fsyncs run beside them). Results in sink order; the
 /// first error wins.
 fn concurrently<S, T>(
@@ -210,17 +225,16 @@ where
         return Ok(Vec::new());
     };
     let f = &f;
-    std::thread::scope(|scope| {
-        let others: Vec<_> = rest
-            .iter_mut()
-            .map(|sink| scope.spawn(move || f(&mut **sink)))
-            .collect();
-        let mut out = vec![f(&mut **first)];
-        out.extend(
-            others
-                .into_iter()
-                .map(|h| h.join().expect("an output sink panicked")),
-        );
-        out.into_iter().collect()
-    })
+    let mut others: Vec<Option<anyhow::Result<T>>> = rest.iter().map(|_| None).collect();
+    let mut own = None;
+    io_pool().in_place_scope(|scope| {
+        for (sink, slot) in rest.iter_mut().zip(&mut others) {
+            scope.spawn(move |_| *slot = Some(f(&mut **sink)));
+        }
+        own = Some(f(&mut **first));
+    });
+    std::iter::once(own)
+        .chain(others)
+        .map(|r| r.expect("every sink ran"))
+        .collect()
 }
