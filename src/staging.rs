@@ -57,7 +57,7 @@ pub fn prepare(settings: &Settings) -> anyhow::Result<()> {
 
 /// Staged outputs are complete: record the intent, then move everything into place.
 pub fn swap_in(settings: &Settings) -> anyhow::Result<()> {
-    // Staging outputs are made without syncs (their closing commit syncs their contents and
+    // Staging outputs are made without syncs (their close syncs their contents and
     // their npy folders): the folder entries that name them are made durable here, before the
     // journal makes them the outputs.
     let staged = output_staging(settings);

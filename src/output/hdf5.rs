@@ -129,7 +129,7 @@ impl Hdf5Sink {
     }
 
     /// [`Hdf5Sink::create`] for a staging output (`rebuild`): not synced when made, since the
-    /// closing commit syncs it before the staging folder is swapped in, and a crash before that
+    /// close syncs it before the staging folder is swapped in, and a crash before that
     /// discards the staging folder.
     pub fn create_staged(path: &Path, header: &OutputHeader) -> Result<Self> {
         Self::create_with(path, header, false, false)

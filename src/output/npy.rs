@@ -66,7 +66,7 @@ impl NpySink {
     }
 
     /// [`NpySink::create`] for staging outputs (`rebuild`): the new files are not synced one
-    /// by one, since the closing commit syncs every column and `attributes.json` before the
+    /// by one, since their close syncs every column and `attributes.json` before the
     /// staging folder is swapped in, and a crash before that discards the staging folder.
     pub fn create_staged(dir: &Path, header: &OutputHeader) -> Result<Self> {
         Self::create_with(dir, header, false)
@@ -560,7 +560,7 @@ fn read_npy_header(file: &mut File, spec: &ColumnSpec, path: &Path) -> Result<(u
 }
 
 /// Write `attributes.json` (with `committed_rows`) atomically: temp file, fsync, rename, and the
-/// folder synced; `sync` false (a staging output, synced by its closing commit): without syncs.
+/// folder synced; `sync` false (a staging output, synced by its close): without syncs.
 fn write_attributes(
     dir: &Path,
     attrs: &Map<String, Value>,

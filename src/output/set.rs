@@ -26,7 +26,7 @@ impl OutputSet {
     ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
         Self::build(dir, outputs, |kind, _, path| match kind {
-            // Live outputs are synced as they are made; staging ones by their closing commit.
+            // Live outputs are synced as they are made; staging ones once, by their close.
             Kind::Hdf5 if swmr => {
                 Ok(Box::new(Hdf5Sink::create(path, header, true)?) as Box<dyn SplitSink>)
             }
