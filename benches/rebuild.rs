@@ -131,17 +131,15 @@ fn main() {
     }
 }
 
-/// Read every file under `tree` (into one reused buffer), so that the next run finds the
-/// recordings in the page cache.
+/// Read every recording under `tree` (the files `rebuild` reads, as its scan lists them) into
+/// one reused buffer, so that the next run finds them in the page cache.
 fn warm_cache(tree: &std::path::Path) {
     use std::io::Read;
     let mut buf = Vec::new();
-    for entry in walkdir::WalkDir::new(tree).into_iter().flatten() {
-        if entry.file_type().is_file() {
-            buf.clear();
-            if let Ok(mut f) = std::fs::File::open(entry.path()) {
-                let _ = f.read_to_end(&mut buf);
-            }
+    for found in ailhd::source::scan(tree).unwrap() {
+        buf.clear();
+        if let Ok(mut f) = std::fs::File::open(tree.join(found.rel())) {
+            let _ = f.read_to_end(&mut buf);
         }
     }
 }
