@@ -26,31 +26,49 @@ fn file_len(dir: &Path, name: &str) -> u64 {
 
 #[test]
 fn written_rows_load_with_numpy() {
-    rows_load_with_numpy(false);
+    rows_load_with_numpy(None);
 }
 
 /// A staging output (`rebuild`) skips the syncs of its commits; after its close, readers see
 /// the same columns.
 #[test]
 fn staged_rows_load_with_numpy() {
-    rows_load_with_numpy(true);
+    rows_load_with_numpy(Some(true));
 }
 
-fn rows_load_with_numpy(staged: bool) {
+/// As where the file system refuses `O_DIRECT`.
+#[test]
+fn staged_rows_through_the_page_cache_load_with_numpy() {
+    rows_load_with_numpy(Some(false));
+}
+
+/// `staged`: `Some(direct)` for a staging output (`rebuild`).
+fn rows_load_with_numpy(staged: Option<bool>) {
     if !python_ready() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("npy/training");
     let h = header(false);
-    let mut sink = if staged {
-        NpySink::create_staged(&dir, &h).unwrap()
-    } else {
-        NpySink::create(&dir, &h).unwrap()
+    let mut sink = match staged {
+        Some(direct) => NpySink::create_staged(&dir, &h, direct).unwrap(),
+        None => NpySink::create(&dir, &h).unwrap(),
     };
     assert_eq!(append(&mut sink, &h, 100), 0);
     sink.commit().unwrap();
     assert_eq!(append(&mut sink, &h, 150), 100);
+    // The feature rows after the first 4 KiB block, less the last partial one, go directly.
+    let direct = if staged == Some(true) {
+        (128 + 250 * 10240) / 4096 * 4096 - 4096
+    } else {
+        0
+    };
+    assert_eq!(
+        sink.direct_bytes(),
+        direct,
+        "features written directly exactly when asked for (a staging output on a file system \
+         without O_DIRECT cannot run this check)"
+    );
     sink.set_valid(3, false).unwrap();
     sink.write_cell("labels", 4, &2i16.to_le_bytes()).unwrap();
     sink.set_valid(200, false).unwrap(); // appended after the edit map was made
@@ -86,6 +104,35 @@ fn rows_load_with_numpy(staged: bool) {
     assert_eq!(out["shapes"]["blake3"], serde_json::json!([250, 32]));
     // Data starts on a 64-byte boundary, as numpy aligns it; here the header is 128 bytes.
     assert_eq!(file_len(&dir, "segments_mel"), 128 + 250 * 10240);
+}
+
+/// A feature cell written while the end of the column waits for a direct write: what waits
+/// is written first, the column goes on through the page cache, and every row loads.
+#[test]
+fn a_feature_cell_edited_while_rows_wait_loads_with_numpy() {
+    if !python_ready() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("npy/training");
+    let h = header(false);
+    let mut sink = NpySink::create_staged(&dir, &h, true).unwrap();
+    append(&mut sink, &h, 40);
+    let direct = sink.direct_bytes();
+    assert_eq!(direct, (128 + 40 * 10240) / 4096 * 4096 - 4096);
+    let row = rows(&h, 39, 1);
+    let bytes: &[u8] = bytemuck::cast_slice(&row.mel);
+    sink.write_cell("segments_mel", 39, bytes).unwrap();
+    append(&mut sink, &h, 30);
+    sink.commit().unwrap();
+    assert_eq!(
+        sink.direct_bytes(),
+        direct,
+        "no direct writes after the edit"
+    );
+    Box::new(sink).close().unwrap();
+    py(&["npy", dir.to_str().unwrap(), "--rows", "70"]);
+    assert_eq!(file_len(&dir, "segments_mel"), 128 + 70 * 10240);
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! ([`hdf5`]) and `npy/<split>/` column files ([`npy`]). Both implement [`SplitSink`]; a
 //! [`SplitOutputs`] drives the enabled ones together so they always hold the same rows.
 
+pub mod direct;
 pub mod hdf5;
 pub mod npy;
 pub mod read;
@@ -240,6 +241,12 @@ impl ColumnSpec {
     /// Bytes of one row.
     pub fn row_bytes(&self) -> usize {
         self.dtype.size() * self.row_dims.iter().product::<usize>()
+    }
+
+    /// A feature column (`segments_mel`, `segments_waveform`): most of a row's bytes, written
+    /// once and never edited in place.
+    pub fn is_features(&self) -> bool {
+        self.name.starts_with("segments_")
     }
 }
 

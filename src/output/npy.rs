@@ -9,6 +9,7 @@
 //! therefore leaves every header describing complete rows; reopening truncates what lies past
 //! the smallest header shape.
 
+use super::direct::{self, DirectStream};
 use super::{
     columns, header_attributes, incompatible, label2id_json, labels_json, pack_rows, ColumnSpec,
     ColumnType, OutputHeader, RowMeta, SplitSink, OUTPUT_SCHEMA_VERSION,
@@ -43,6 +44,8 @@ pub struct NpySink {
     /// before that discards it, so its commits only count the rows and its close makes every
     /// file durable at once (one `fdatasync` each, instead of two rounds per commit).
     staged: bool,
+    /// Feature bytes written directly (bypassing the page cache), for tests and the log.
+    direct_bytes: u64,
 }
 
 struct NpyColumn {
@@ -56,23 +59,28 @@ struct NpyColumn {
     /// Whole-file map for in-place cell edits (`set_valid`, `set_label`), made on first use and
     /// remapped when the edited row lies past its end (the file grows by positional writes).
     edit_map: Option<MmapMut>,
+    /// A staging output's feature column: its rows go to the disk directly
+    /// ([`super::direct`]), until the close or an edit of one of its cells.
+    direct: Option<DirectStream>,
 }
 
 impl NpySink {
     /// Create `dir` (an error if it already holds an output) with an empty file per column and
     /// `attributes.json`. Built as `<dir>.partial` and renamed into place when complete.
     pub fn create(dir: &Path, header: &OutputHeader) -> Result<Self> {
-        Self::create_with(dir, header, true)
+        Self::create_with(dir, header, true, false)
     }
 
     /// [`NpySink::create`] for staging outputs (`rebuild`): the new files are not synced one
     /// by one, since their close syncs every column and `attributes.json` before the
     /// staging folder is swapped in, and a crash before that discards the staging folder.
-    pub fn create_staged(dir: &Path, header: &OutputHeader) -> Result<Self> {
-        Self::create_with(dir, header, false)
+    /// Its feature columns are written directly to the disk where the file system allows
+    /// ([`super::direct`]); `direct: false` writes them through the page cache too.
+    pub fn create_staged(dir: &Path, header: &OutputHeader, direct: bool) -> Result<Self> {
+        Self::create_with(dir, header, false, direct)
     }
 
-    fn create_with(dir: &Path, header: &OutputHeader, sync: bool) -> Result<Self> {
+    fn create_with(dir: &Path, header: &OutputHeader, sync: bool, direct: bool) -> Result<Self> {
         if dir.join(ATTRIBUTES).exists() {
             bail!(
                 "{}: already holds an npy output; not overwriting it",
@@ -125,6 +133,12 @@ impl NpySink {
         // New columns hold no rows: nothing to cut back (and to sync) when staged.
         let mut sink = Self::open(dir, header, None, sync)?;
         sink.staged = !sync;
+        if sink.staged && direct {
+            for c in sink.cols.iter_mut().filter(|c| c.spec.is_features()) {
+                c.direct = DirectStream::open(&c.path, c.data_offset(0))
+                    .with_context(|| format!("opening {} for direct writes", c.path.display()))?;
+            }
+        }
         Ok(sink)
     }
 
@@ -212,6 +226,7 @@ impl NpySink {
                 header_len,
                 header_map,
                 edit_map: None,
+                direct: None,
             });
         }
         let on_disk = shapes.iter().copied().min().unwrap_or(0);
@@ -227,6 +242,7 @@ impl NpySink {
             dirty: false,
             closed: false,
             staged: false,
+            direct_bytes: 0,
         };
         for c in &mut sink.cols {
             let size = c.file.metadata()?.len();
@@ -281,6 +297,11 @@ impl NpySink {
         &self.dir
     }
 
+    /// Feature bytes written directly to the disk so far ([`super::direct`]).
+    pub fn direct_bytes(&self) -> u64 {
+        self.direct_bytes
+    }
+
     /// Make `rows` the length of every column, durably: truncate the data, rewrite the headers
     /// and `attributes.json`.
     fn cut_to(&mut self, rows: u64) -> Result<()> {
@@ -331,6 +352,9 @@ impl NpySink {
             .iter_mut()
             .find(|c| c.spec.name == name)
             .expect("every layout has this column");
+        // The cell may still be in the direct stream's buffer: the column's rows go through
+        // the page cache from here on.
+        c.end_direct()?;
         let at = c.data_offset(row) as usize;
         let end = at + bytes.len();
         if c.edit_map.as_ref().is_none_or(|m| m.len() < end) {
@@ -350,6 +374,16 @@ impl NpySink {
             return Ok(());
         }
         self.closed = true;
+        for c in &mut self.cols {
+            c.end_direct()?;
+        }
+        if self.direct_bytes > 0 {
+            log::debug!(
+                "{}: {} feature bytes written directly",
+                self.dir.display(),
+                self.direct_bytes
+            );
+        }
         if self.len > self.committed {
             log::warn!(
                 "{}: closing with {} uncommitted rows; dropping them",
@@ -375,6 +409,36 @@ impl NpySink {
 impl NpyColumn {
     fn data_offset(&self, row: u64) -> u64 {
         self.header_len as u64 + row * self.spec.row_bytes() as u64
+    }
+
+    /// Append `bytes` at `offset` (the end of the rows), directly if the column is written
+    /// that way; where the file system refuses, the column goes through the page cache from
+    /// here on. Returns the bytes that went directly.
+    fn append_at(&mut self, bytes: &[u8], offset: u64) -> std::io::Result<u64> {
+        if let Some(d) = &mut self.direct {
+            let before = d.written;
+            match d.append(&self.file, bytes, offset) {
+                Ok(()) => return Ok(d.written - before),
+                Err(e) if direct::refused(&e) => {
+                    log::info!(
+                        "{}: direct writes refused ({e}); writing through the page cache",
+                        self.path.display()
+                    );
+                    self.end_direct()?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.file.write_all_at(bytes, offset).map(|()| 0)
+    }
+
+    /// Write what the direct stream still holds; the column's rows go through the page cache
+    /// from here on.
+    fn end_direct(&mut self) -> std::io::Result<()> {
+        match self.direct.take() {
+            Some(d) => d.finish(&self.file),
+            None => Ok(()),
+        }
     }
 
     /// Rewrite the shape in the header, in place; with `sync`, wait for it to reach the disk.
@@ -406,13 +470,28 @@ impl SplitSink for NpySink {
             return Ok(first);
         }
         // Positional writes past the committed rows: a failed append leaves bytes that the next
-        // append overwrites, a commit never covers, and a reopen truncates.
-        for (c, b) in self.cols.iter().zip(&bytes) {
-            c.file
-                .write_all_at(b, c.data_offset(first))
-                .with_context(|| {
-                    format!("appending {} rows to {}", meta.len(), c.path.display())
-                })?;
+        // append overwrites, a commit never covers, and a reopen truncates (so after a failure
+        // no column is left mid-stream: the next append rewrites these rows in place).
+        let mut failed = None;
+        for (c, b) in self.cols.iter_mut().zip(&bytes) {
+            let at = c.data_offset(first);
+            match c.append_at(b, at) {
+                Ok(n) => self.direct_bytes += n,
+                Err(e) => {
+                    failed = Some(anyhow::Error::from(e).context(format!(
+                        "appending {} rows to {}",
+                        meta.len(),
+                        c.path.display()
+                    )));
+                    break;
+                }
+            }
+        }
+        if let Some(e) = failed {
+            for c in &mut self.cols {
+                let _ = c.end_direct();
+            }
+            return Err(e);
         }
         self.len = first + meta.len() as u64;
         self.dirty = true;
