@@ -29,25 +29,19 @@
 //!   h5clear") until [`Hdf5Sink::open_append`] (which clears the flags, as `h5clear -s` does)
 //!   and a clean close.
 
-use super::direct::{self, AlignedBuf};
+use super::direct::{self, Recycler};
 use super::{
     columns, header_attributes, incompatible, label2id_json, labels_json, pack_rows, ColumnSpec,
     ColumnType, OutputHeader, SplitSink, OUTPUT_SCHEMA_VERSION,
 };
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{bail, Context, Result};
 use half::f16;
 use hdf5::file::{FileAccess, LibraryVersion};
 use hdf5::types::{TypeDescriptor, VarLenUnicode};
 use hdf5::{Dataset, Datatype, Extent, File, SimpleExtents};
-use hdf5_sys::h5::hsize_t;
 use hdf5_sys::h5a::{H5Aread, H5Awrite};
-use hdf5_sys::h5ac::{H5AC_cache_config_t, H5AC__CURR_CACHE_CONFIG_VERSION};
-use hdf5_sys::h5c::{H5C_cache_decr_mode, H5C_cache_flash_incr_mode, H5C_cache_incr_mode};
-use hdf5_sys::h5d::{H5Dget_space, H5Dwrite, H5Dwrite_chunk};
-use hdf5_sys::h5f::{
-    H5F_scope_t, H5Fflush, H5Fget_mdc_config, H5Fget_vfd_handle, H5Fopen, H5Fset_mdc_config,
-    H5F_ACC_RDWR,
-};
+use hdf5_sys::h5d::{H5Dget_space, H5Dwrite};
+use hdf5_sys::h5f::{H5F_scope_t, H5Fflush, H5Fget_vfd_handle, H5Fopen, H5F_ACC_RDWR};
 use hdf5_sys::h5i::hid_t;
 use hdf5_sys::h5p::{H5Pset, H5P_DEFAULT};
 use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab};
@@ -117,36 +111,14 @@ pub struct Hdf5Sink {
     /// before that discards it, so its commits write `committed_rows` without flushing, and its
     /// close writes everything and syncs the file once.
     staged: bool,
-    /// Feature bytes written directly ([`DirectChunks`]), for tests and the log.
-    direct_bytes: u64,
+    /// A staging file gives its page cache back a batch behind ([`Recycler`]).
+    recycler: Recycler,
 }
 
 struct Column {
     spec: ColumnSpec,
     ds: Dataset,
     mem_type: Datatype,
-    /// A staging file's feature column: whole chunks go to the disk directly
-    /// ([`DirectChunks`]), until the close or an edit of one of its cells.
-    direct: Option<DirectChunks>,
-}
-
-/// A feature column of a staging file whose chunks go to the disk directly ([`super::direct`]):
-/// rows wait in an aligned buffer until their chunk is whole, and whole chunks are written with
-/// `H5Dwrite_chunk` while HDF5's descriptor of the file has `O_DIRECT` set (HDF5 allocates,
-/// indexes and writes the chunk as always; only the page cache is skipped). That holds only
-/// for the duration of those calls, under HDF5's lock, and nothing but the chunk is written in
-/// them: the staging file's chunks are [`direct::BLOCK`]-aligned ([`file_access`]) and fill
-/// whole blocks ([`direct_chunks_fit`]), and its metadata cache never evicts (so it writes no
-/// metadata before the close, when `O_DIRECT` is off). Where the file system refuses, the
-/// rows still waiting are written with `H5Dwrite` and the column continues that way.
-struct DirectChunks {
-    /// HDF5's (sec2) descriptor of the file.
-    fd: c_int,
-    /// Rows from chunk `first_chunk` on, less than a chunk's worth after every append.
-    buf: AlignedBuf,
-    first_chunk: u64,
-    chunk_rows: u64,
-    chunk_bytes: usize,
 }
 
 impl Hdf5Sink {
@@ -156,24 +128,17 @@ impl Hdf5Sink {
     /// The file is built under `<path>.partial` and renamed into place once complete, so a
     /// crash while creating never leaves a half-made file under the name readers open.
     pub fn create(path: &Path, header: &OutputHeader, swmr: bool) -> Result<Self> {
-        Self::create_with(path, header, swmr, true, false)
+        Self::create_with(path, header, swmr, true)
     }
 
     /// [`Hdf5Sink::create`] for a staging output (`rebuild`): not synced when made, since the
     /// close syncs it before the staging folder is swapped in, and a crash before that
-    /// discards the staging folder. Its feature columns are written directly to the disk where
-    /// the file system allows ([`DirectChunks`]); `direct: false` writes them through HDF5.
-    pub fn create_staged(path: &Path, header: &OutputHeader, direct: bool) -> Result<Self> {
-        Self::create_with(path, header, false, false, direct)
+    /// discards the staging folder.
+    pub fn create_staged(path: &Path, header: &OutputHeader) -> Result<Self> {
+        Self::create_with(path, header, false, false)
     }
 
-    fn create_with(
-        path: &Path,
-        header: &OutputHeader,
-        swmr: bool,
-        sync: bool,
-        direct: bool,
-    ) -> Result<Self> {
+    fn create_with(path: &Path, header: &OutputHeader, swmr: bool, sync: bool) -> Result<Self> {
         if path.exists() {
             bail!(
                 "{}: already exists; not overwriting an existing output",
@@ -190,7 +155,7 @@ impl Hdf5Sink {
             Err(e) => return Err(e).with_context(|| format!("removing {}", partial.display())),
         }
         let file = File::with_options()
-            .set_fapl(&file_access(header, direct)?)?
+            .set_fapl(&file_access(header, !sync)?)?
             .create_excl(&partial)
             .with_context(|| format!("{}: creating HDF5 file", partial.display()))?;
         let specs = columns(header);
@@ -214,12 +179,7 @@ impl Hdf5Sink {
                 .with_context(|| {
                     format!("{}: creating dataset {}", partial.display(), spec.name)
                 })?;
-            cols.push(Column {
-                spec,
-                ds,
-                mem_type,
-                direct: None,
-            });
+            cols.push(Column { spec, ds, mem_type });
         }
         let committed_ds = file
             .new_dataset::<i64>()
@@ -255,7 +215,7 @@ impl Hdf5Sink {
             dirty: false,
             header: header.clone(),
             staged: !sync,
-            direct_bytes: 0,
+            recycler: Recycler::default(),
         };
         if sync {
             sink.flush_and_sync()?;
@@ -269,11 +229,6 @@ impl Hdf5Sink {
         }
         if swmr {
             sink.start_swmr()?;
-        }
-        if direct {
-            if let Err(e) = sink.start_direct() {
-                log::info!("{}: features written through HDF5: {e:#}", path.display());
-            }
         }
         Ok(sink)
     }
@@ -404,12 +359,7 @@ impl Hdf5Sink {
                     spec.name
                 );
             }
-            cols.push(Column {
-                spec,
-                ds,
-                mem_type,
-                direct: None,
-            });
+            cols.push(Column { spec, ds, mem_type });
         }
         let mut sink = Hdf5Sink {
             cols,
@@ -423,7 +373,7 @@ impl Hdf5Sink {
             dirty: false,
             header: header.clone(),
             staged: false,
-            direct_bytes: 0,
+            recycler: Recycler::default(),
         };
         // Rows past committed_rows are the partial batch of a crashed writer: drop them so
         // that every dataset again has exactly committed_rows rows.
@@ -534,46 +484,6 @@ impl Hdf5Sink {
         &self.path
     }
 
-    /// Feature bytes written directly to the disk so far ([`DirectChunks`]).
-    pub fn direct_bytes(&self) -> u64 {
-        self.direct_bytes
-    }
-
-    /// Write the feature columns whose chunks fill whole blocks directly ([`DirectChunks`]),
-    /// with the metadata cache's evictions off (a staging file's metadata is a few hundred
-    /// KiB per 10,000 rows: held in memory until the close).
-    fn start_direct(&mut self) -> Result<()> {
-        let fd = self.fd()?;
-        let file = self.file()?;
-        hdf5::sync::sync(|| unsafe {
-            let mut config = H5AC_cache_config_t {
-                version: H5AC__CURR_CACHE_CONFIG_VERSION,
-                ..Default::default()
-            };
-            hdf5::h5check(H5Fget_mdc_config(file.id(), &mut config))?;
-            config.evictions_enabled = false as _;
-            config.incr_mode = H5C_cache_incr_mode::H5C_incr__off;
-            config.flash_incr_mode = H5C_cache_flash_incr_mode::H5C_flash_incr__off;
-            config.decr_mode = H5C_cache_decr_mode::H5C_decr__off;
-            hdf5::h5check(H5Fset_mdc_config(file.id(), &config))?;
-            Ok::<(), anyhow::Error>(())
-        })
-        .with_context(|| format!("{}: metadata cache settings", self.path.display()))?;
-        for c in &mut self.cols {
-            if c.spec.is_features() && direct_chunks_fit(&c.spec) {
-                let chunk_rows = chunk_rows(&c.spec);
-                c.direct = Some(DirectChunks {
-                    fd,
-                    buf: AlignedBuf::default(),
-                    first_chunk: 0,
-                    chunk_rows: chunk_rows as u64,
-                    chunk_bytes: chunk_rows * c.spec.row_bytes(),
-                });
-            }
-        }
-        Ok(())
-    }
-
     fn file(&self) -> Result<&File> {
         self.file
             .as_ref()
@@ -651,24 +561,13 @@ impl Hdf5Sink {
             );
         }
         let committed = self.committed;
-        let path = &self.path;
-        let direct_bytes = &mut self.direct_bytes;
-        let tails = self
-            .cols
-            .iter_mut()
-            .try_for_each(|c| match c.direct.take() {
-                Some(d) => d.finish(&c.ds, &c.mem_type, path, direct_bytes),
-                None => Ok(()),
-            });
-        let result = tails
-            .and_then(|()| self.resize_all(committed))
-            .and_then(|()| {
-                if self.staged {
-                    Ok(())
-                } else {
-                    self.flush_and_sync()
-                }
-            });
+        let result = self.resize_all(committed).and_then(|()| {
+            if self.staged {
+                Ok(())
+            } else {
+                self.flush_and_sync()
+            }
+        });
         self.cols.clear();
         self.committed_ds = None;
         let file = self.file.take().expect("checked above");
@@ -708,19 +607,17 @@ impl SplitSink for Hdf5Sink {
         let n = meta.len() as u64;
         self.dirty = true;
         self.resize_all(first + n)?;
-        let (path, direct_bytes) = (&self.path, &mut self.direct_bytes);
-        let written = self.cols.iter_mut().zip(&bytes).try_for_each(|(c, b)| {
-            c.append(path, first, n, b, direct_bytes)
-                .with_context(|| format!("{}: writing {n} rows of {}", path.display(), c.spec.name))
+        let written = self.cols.iter().zip(&bytes).try_for_each(|(c, b)| {
+            write_rows(&c.ds, &c.mem_type, first, n, b).with_context(|| {
+                format!(
+                    "{}: writing {n} rows of {}",
+                    self.path.display(),
+                    c.spec.name
+                )
+            })
         });
         if written.is_err() {
-            // Leave no half-written rows for a later commit to cover (and no column waiting
-            // for rows that are not there: the next append rewrites them through HDF5).
-            for c in &mut self.cols {
-                if let Some(d) = c.direct.take() {
-                    let _ = d.abandon(&c.ds, &c.mem_type, first);
-                }
-            }
+            // Leave no half-written rows for a later commit to cover.
             let _ = self.resize_all(first);
         }
         written.map(|()| first)
@@ -763,8 +660,14 @@ impl SplitSink for Hdf5Sink {
     }
 
     fn start_writeback(&mut self) -> Result<()> {
+        let fd = self.fd()?;
+        if self.staged {
+            self.recycler
+                .recycle(fd)
+                .with_context(|| format!("{}: writing back", self.path.display()))?;
+        }
         // Chunks still in HDF5's cache are written by the commit; this starts on the rest.
-        super::start_writeback(self.fd()?, &self.path)
+        super::start_writeback(fd, &self.path)
     }
 }
 
@@ -785,220 +688,15 @@ impl Hdf5Sink {
                 self.len
             );
         }
-        let len = self.len;
         let c = self
             .cols
-            .iter_mut()
+            .iter()
             .find(|c| c.spec.name == name)
             .expect("every layout has this column");
-        if let Some(d) = c.direct.take() {
-            // The cell may still be waiting in the direct buffer: the column is written
-            // through HDF5 from here on.
-            d.abandon(&c.ds, &c.mem_type, len)?;
-        }
         self.dirty = true;
         write_rows(&c.ds, &c.mem_type, row, 1, bytes)
             .with_context(|| format!("{}: writing {name}[{row}]", self.path.display()))
     }
-}
-
-impl Column {
-    /// Rows `first..first + n` (the extent already covers them) from `bytes`: through HDF5, or
-    /// into the direct buffer, whole chunks of which go out at once.
-    fn append(
-        &mut self,
-        path: &Path,
-        first: u64,
-        n: u64,
-        bytes: &[u8],
-        direct_bytes: &mut u64,
-    ) -> Result<()> {
-        let Some(d) = &mut self.direct else {
-            return write_rows(&self.ds, &self.mem_type, first, n, bytes);
-        };
-        match d.append(&self.ds, first, bytes, direct_bytes)? {
-            None => Ok(()),
-            Some(why) => {
-                log::info!(
-                    "{}: {} written through HDF5 from here on: {why}",
-                    path.display(),
-                    self.spec.name
-                );
-                let d = self.direct.take().expect("matched above");
-                d.abandon(&self.ds, &self.mem_type, first + n)
-            }
-        }
-    }
-}
-
-impl DirectChunks {
-    fn row_bytes(&self) -> usize {
-        self.chunk_bytes / self.chunk_rows as usize
-    }
-
-    /// First row in the buffer.
-    fn start(&self) -> u64 {
-        self.first_chunk * self.chunk_rows
-    }
-
-    fn waiting_rows(&self) -> u64 {
-        (self.buf.len() / self.row_bytes()) as u64
-    }
-
-    /// Take rows `first..` (which follow the waiting ones) and write the chunks they complete.
-    /// `Some(why)` when direct writes cannot go on here (the rows stay waiting, for
-    /// [`DirectChunks::abandon`]). On an error the buffer is as before.
-    fn append(
-        &mut self,
-        ds: &Dataset,
-        first: u64,
-        bytes: &[u8],
-        direct_bytes: &mut u64,
-    ) -> Result<Option<String>> {
-        ensure!(
-            self.start() + self.waiting_rows() == first,
-            "direct rows out of order: row {first} after {}",
-            self.start() + self.waiting_rows()
-        );
-        let before = self.buf.len();
-        self.buf.push(bytes);
-        let whole = self.buf.len() / self.chunk_bytes;
-        match self.write_chunks(ds, whole, direct_bytes) {
-            Ok(None) => {
-                self.buf.consume(whole * self.chunk_bytes);
-                self.first_chunk += whole as u64;
-                Ok(None)
-            }
-            Ok(Some(why)) => Ok(Some(why)),
-            Err(e) => {
-                self.buf.truncate(before);
-                Err(e)
-            }
-        }
-    }
-
-    /// Write the first `whole` chunks of the buffer (`H5Dwrite_chunk`, one call per chunk)
-    /// with `O_DIRECT` set on HDF5's descriptor for the duration. `Some(why)` when direct
-    /// writes cannot go on here (then every chunk written is whole, through the page cache or
-    /// not, and the rest wait, for [`DirectChunks::abandon`]).
-    fn write_chunks(
-        &self,
-        ds: &Dataset,
-        whole: usize,
-        direct_bytes: &mut u64,
-    ) -> Result<Option<String>> {
-        if whole == 0 {
-            return Ok(None);
-        }
-        let cb = self.chunk_bytes;
-        let mut offset = vec![0 as hsize_t; ds.ndim()];
-        hdf5::sync::sync(|| {
-            if let Err(e) = set_direct(self.fd, true) {
-                return if direct::refused(&e) {
-                    Ok(Some(e.to_string()))
-                } else {
-                    Err(anyhow::Error::from(e).context("setting O_DIRECT"))
-                };
-            }
-            let mut outcome = Ok(None);
-            for k in 0..whole {
-                offset[0] = (self.first_chunk + k as u64) * self.chunk_rows;
-                let chunk = &self.buf.bytes()[k * cb..(k + 1) * cb];
-                let write = || unsafe {
-                    hdf5::h5check(H5Dwrite_chunk(
-                        ds.id(),
-                        H5P_DEFAULT,
-                        0,
-                        offset.as_ptr(),
-                        cb,
-                        chunk.as_ptr() as *const c_void,
-                    ))
-                };
-                if write().is_ok() {
-                    *direct_bytes += cb as u64;
-                    continue;
-                }
-                // Refused (`EINVAL`: HDF5's error stack does not say more): this chunk again
-                // through the page cache; the rest wait for `abandon`.
-                outcome = set_direct(self.fd, false)
-                    .map_err(anyhow::Error::from)
-                    .and_then(|()| Ok(write()?))
-                    .map(|_| Some(format!("a direct write of chunk {} failed", offset[0])));
-                break;
-            }
-            let off = set_direct(self.fd, false).context("clearing O_DIRECT");
-            outcome.and_then(|o| off.map(|()| o))
-        })
-    }
-
-    /// The close: the last, partial chunk goes out whole (zero-padded; readers never look past
-    /// the extent).
-    fn finish(
-        mut self,
-        ds: &Dataset,
-        mem_type: &Datatype,
-        path: &Path,
-        direct_bytes: &mut u64,
-    ) -> Result<()> {
-        if self.buf.is_empty() {
-            return Ok(());
-        }
-        let rows = self.start() + self.waiting_rows();
-        self.buf.pad(self.chunk_bytes);
-        match self.write_chunks(ds, 1, direct_bytes)? {
-            None => Ok(()),
-            Some(why) => {
-                log::info!("{}: last chunk written through HDF5: {why}", path.display());
-                self.buf
-                    .truncate((rows - self.start()) as usize * self.row_bytes());
-                self.abandon(ds, mem_type, rows)
-            }
-        }
-    }
-
-    /// Stop writing directly: the waiting rows below `end` are written through HDF5 (the
-    /// column goes on that way).
-    fn abandon(self, ds: &Dataset, mem_type: &Datatype, end: u64) -> Result<()> {
-        let n = self.waiting_rows().min(end.saturating_sub(self.start()));
-        if n == 0 {
-            return Ok(());
-        }
-        let bytes = &self.buf.bytes()[..n as usize * self.row_bytes()];
-        write_rows(ds, mem_type, self.start(), n, bytes)
-    }
-}
-
-/// Set or clear `O_DIRECT` on an open descriptor (`fcntl(F_SETFL)`).
-fn set_direct(fd: c_int, on: bool) -> std::io::Result<()> {
-    // SAFETY: plain system calls on a descriptor HDF5 holds open.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        if flags < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let flags = if on {
-            flags | libc::O_DIRECT
-        } else {
-            flags & !libc::O_DIRECT
-        };
-        if libc::fcntl(fd, libc::F_SETFL, flags) < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
-
-/// Whether a column's chunks fill whole [`direct::BLOCK`]s (so they can be written directly).
-fn direct_chunks_fit(spec: &ColumnSpec) -> bool {
-    (chunk_rows(spec) * spec.row_bytes()).is_multiple_of(direct::BLOCK)
-}
-
-fn lcm(a: u64, b: u64) -> u64 {
-    let (mut x, mut y) = (a, b);
-    while y != 0 {
-        (x, y) = (y, x % y);
-    }
-    a / x * b
 }
 
 /// Write `rows` rows starting at `first` of dataset `ds` (whose extent already covers them)
@@ -1085,9 +783,13 @@ pub(crate) struct Id(
 
 impl Drop for Id {
     fn drop(&mut self) {
-        unsafe {
+        // Under the hdf5 crate's lock, like every HDF5 call: the library is not thread-safe
+        // by itself, and sinks on other threads call it at the same time (seen crash: two
+        // staging sinks on threads of their own, one closing a selection while the other
+        // wrote).
+        hdf5::sync::sync(|| unsafe {
             (self.1)(self.0);
-        }
+        });
     }
 }
 
@@ -1101,6 +803,14 @@ fn memory_type(t: ColumnType) -> Result<Datatype> {
         ColumnType::F32 => Datatype::from_type::<f32>()?,
         ColumnType::Str(n) => Datatype::from_descriptor(&TypeDescriptor::FixedUnicode(n))?,
     })
+}
+
+fn lcm(a: u64, b: u64) -> u64 {
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    a / x * b
 }
 
 /// Rows per chunk of a column: [`CHUNK_BYTES`] of whole rows, at least one.
@@ -1125,11 +835,13 @@ fn feature_alignment(header: &OutputHeader) -> (u64, u64) {
 }
 
 /// File-access settings for every open: v1.10 format, no file locking, bigger chunk cache,
-/// feature chunks aligned to rows ([`feature_alignment`]); with `direct` (a staging file whose
-/// features are written directly), to a multiple of both the row size and [`direct::BLOCK`].
-fn file_access(header: &OutputHeader, direct: bool) -> Result<FileAccess> {
+/// feature chunks aligned to rows ([`feature_alignment`]); in a staging file, to a multiple of
+/// both the row size and the page size, so that no page holds both feature rows and other
+/// bytes, and the pages [`Recycler`] drops are never written again (HDF5 rewrites its metadata
+/// in place, features never).
+fn file_access(header: &OutputHeader, staged: bool) -> Result<FileAccess> {
     let (threshold, mut alignment) = feature_alignment(header);
-    if direct {
+    if staged {
         alignment = lcm(alignment, direct::BLOCK as u64);
     }
     Ok(FileAccess::build()

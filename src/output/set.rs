@@ -31,7 +31,7 @@ impl OutputSet {
                 Ok(Box::new(Hdf5Sink::create(path, header, true)?) as Box<dyn SplitSink>)
             }
             Kind::Hdf5 => {
-                Ok(Box::new(Hdf5Sink::create_staged(path, header, true)?) as Box<dyn SplitSink>)
+                Ok(Box::new(Hdf5Sink::create_staged(path, header)?) as Box<dyn SplitSink>)
             }
             Kind::Npy if swmr => Ok(Box::new(NpySink::create(path, header)?) as Box<dyn SplitSink>),
             Kind::Npy => {
