@@ -15,7 +15,8 @@
 //! - [`features`]: waveforms -> float16 dB mel rows ([`features::cpu`], [`features::cuda`]);
 //! - [`identity`]: content hash, label, split, file-name metadata;
 //! - [`output`]: rows -> per-split HDF5 files and npy memmaps; [`output::read`] reads them back
-//!   as a user's reader does (SWMR);
+//!   as a user's reader does (SWMR); [`output::direct`] keeps `rebuild`'s writes out of the page
+//!   cache;
 //! - the commands: [`rebuild`] (bulk into staging, swapped in by [`staging`]) and [`daemon`]
 //!   (the service: micro-batches, idle close, riding out write failures), [`status`], [`inspect`], [`demo`] with [`synth`], [`doctor`].
 //!
