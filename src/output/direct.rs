@@ -43,25 +43,21 @@ unsafe impl bytemuck::Pod for Block {}
 /// A growable byte buffer whose start is [`BLOCK`]-aligned, kept for the life of a column so
 /// that its pages are faulted in once.
 #[derive(Default)]
-pub struct AlignedBuf {
+struct AlignedBuf {
     blocks: Vec<Block>,
     len: usize,
 }
 
 impl AlignedBuf {
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.len
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn bytes(&self) -> &[u8] {
+    fn bytes(&self) -> &[u8] {
         &bytemuck::cast_slice(&self.blocks)[..self.len]
     }
 
-    pub fn push(&mut self, data: &[u8]) {
+    fn push(&mut self, data: &[u8]) {
         let end = self.len + data.len();
         let blocks = end.div_ceil(BLOCK);
         if self.blocks.len() < blocks {
@@ -71,21 +67,13 @@ impl AlignedBuf {
         self.len = end;
     }
 
-    /// Zero-fill up to `len` bytes (growing the buffer).
-    pub fn pad(&mut self, len: usize) {
-        if len > self.len {
-            let zeros = len - self.len;
-            self.push(&vec![0; zeros]);
-        }
-    }
-
     /// Keep only the first `len` bytes.
-    pub fn truncate(&mut self, len: usize) {
+    fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
     }
 
     /// Drop the first `n` bytes (a multiple of [`BLOCK`]), moving the rest to the front.
-    pub fn consume(&mut self, n: usize) {
+    fn consume(&mut self, n: usize) {
         assert!(
             n.is_multiple_of(BLOCK) && n <= self.len,
             "consume {n} of {}",
@@ -332,7 +320,7 @@ mod tests {
         assert_eq!(b.bytes(), &data[2 * BLOCK..]);
         b.truncate(5);
         assert_eq!(b.bytes(), &data[2 * BLOCK..2 * BLOCK + 5]);
-        b.pad(BLOCK);
-        assert_eq!(&b.bytes()[5..], &[0u8; BLOCK - 5][..]);
+        b.push(&data[..BLOCK]);
+        assert_eq!(&b.bytes()[5..], &data[..BLOCK]);
     }
 }
