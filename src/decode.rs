@@ -841,7 +841,8 @@ impl BandLimited {
     }
 }
 
-fn gcd(mut a: u64, mut b: u64) -> u64 {
+/// Greatest common divisor (also used for the staging HDF5 files' alignment).
+pub(crate) fn gcd(mut a: u64, mut b: u64) -> u64 {
     while b != 0 {
         (a, b) = (b, a % b);
     }

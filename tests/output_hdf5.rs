@@ -87,6 +87,24 @@ fn rows_read_back_with_h5py(staged: bool) {
     eprintln!("h5py read back: {out}");
 }
 
+/// Pages of the first `len` bytes of `file` that are in the page cache (`mincore`).
+fn resident_pages(file: &std::fs::File, len: usize) -> std::io::Result<usize> {
+    let map = unsafe { memmap2::MmapOptions::new().len(len).map(file) }?;
+    let mut resident = vec![0u8; len.div_ceil(4096)];
+    // SAFETY: `map` is a live mapping of `len` bytes; `resident` has a byte per page.
+    let r = unsafe {
+        libc::mincore(
+            map.as_ptr() as *mut libc::c_void,
+            len,
+            resident.as_mut_ptr(),
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(resident.iter().filter(|&&b| b & 1 == 1).count())
+}
+
 /// A staging file gives its page cache back a batch behind when asked to write back (as
 /// `rebuild` does after each batch): few of its pages stay cached, where the same file written
 /// without those calls keeps nearly all; and h5py reads every row back after the close (HDF5
@@ -112,7 +130,7 @@ fn a_staging_file_gives_its_page_cache_back_and_reads_back_with_h5py() {
         let file = std::fs::File::open(&path).unwrap();
         let len = file.metadata().unwrap().len() as usize;
         let pages = len.div_ceil(4096);
-        let cached = ailhd::output::direct::resident_pages(&file, len).unwrap();
+        let cached = resident_pages(&file, len).unwrap();
         eprintln!("writeback {writeback}: {cached} of {pages} pages cached");
         resident.push((cached, pages));
         sink.commit().unwrap();

@@ -86,14 +86,14 @@ impl AlignedBuf {
 }
 
 /// A second descriptor of an output file, opened with `O_DIRECT`.
-pub struct DirectFile {
+struct DirectFile {
     file: File,
 }
 
 impl DirectFile {
     /// Open `path` (which exists) for direct writes; `None` where its file system refuses
     /// `O_DIRECT`.
-    pub fn open(path: &Path) -> std::io::Result<Option<Self>> {
+    fn open(path: &Path) -> std::io::Result<Option<Self>> {
         match OpenOptions::new()
             .write(true)
             .custom_flags(libc::O_DIRECT)
@@ -110,7 +110,7 @@ impl DirectFile {
 
     /// Write `bytes` (a [`BLOCK`]-aligned buffer of whole blocks) at `offset` (a multiple of
     /// [`BLOCK`]).
-    pub fn write_at(&self, bytes: &[u8], offset: u64) -> std::io::Result<()> {
+    fn write_at(&self, bytes: &[u8], offset: u64) -> std::io::Result<()> {
         assert!(
             (bytes.as_ptr() as usize).is_multiple_of(BLOCK)
                 && bytes.len().is_multiple_of(BLOCK)
@@ -243,28 +243,6 @@ impl Recycler {
         self.seen = st.st_size as u64;
         Ok(())
     }
-}
-
-/// Pages of the first `len` bytes of `file` that are in the page cache (`mincore`), for tests.
-pub fn resident_pages(file: &File, len: usize) -> std::io::Result<usize> {
-    if len == 0 {
-        return Ok(0);
-    }
-    let map = unsafe { memmap2::MmapOptions::new().len(len).map(file) }?;
-    let pages = len.div_ceil(BLOCK);
-    let mut resident = vec![0u8; pages];
-    // SAFETY: `map` is a live mapping of `len` bytes; `resident` has a byte per page.
-    if unsafe {
-        libc::mincore(
-            map.as_ptr() as *mut libc::c_void,
-            len,
-            resident.as_mut_ptr(),
-        )
-    } != 0
-    {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(resident.iter().filter(|&&b| b & 1 == 1).count())
 }
 
 #[cfg(test)]

@@ -805,14 +805,6 @@ fn memory_type(t: ColumnType) -> Result<Datatype> {
     })
 }
 
-fn lcm(a: u64, b: u64) -> u64 {
-    let (mut x, mut y) = (a, b);
-    while y != 0 {
-        (x, y) = (y, x % y);
-    }
-    a / x * b
-}
-
 /// Rows per chunk of a column: [`CHUNK_BYTES`] of whole rows, at least one.
 fn chunk_rows(spec: &ColumnSpec) -> usize {
     (CHUNK_BYTES / spec.row_bytes()).clamp(1, MAX_CHUNK_ROWS)
@@ -842,7 +834,9 @@ fn feature_alignment(header: &OutputHeader) -> (u64, u64) {
 fn file_access(header: &OutputHeader, staged: bool) -> Result<FileAccess> {
     let (threshold, mut alignment) = feature_alignment(header);
     if staged {
-        alignment = lcm(alignment, direct::BLOCK as u64);
+        // The least common multiple of the row size and the page size.
+        let page = direct::BLOCK as u64;
+        alignment = alignment / crate::decode::gcd(alignment, page) * page;
     }
     Ok(FileAccess::build()
         .libver_bounds(LibraryVersion::V110, LibraryVersion::V110)
