@@ -181,7 +181,15 @@ impl Plan {
     #[inline(always)]
     pub(super) fn db_row_with<I: Isa>(&self, wav: &Waveform, s: &mut Scratch) {
         let t_frames = self.shape.t_frames;
-        for group in self.frames.chunks(LANES) {
+        let n = self.settings.n_fft;
+        let mut groups = self.frames.chunks(LANES).peekable();
+        if let Some(first) = groups.peek() {
+            prefetch(wav, first, n);
+        }
+        while let Some(group) = groups.next() {
+            if let Some(next) = groups.peek() {
+                prefetch(wav, next, n);
+            }
             // Lanes past the last frame redo the group's first frame; their results are dropped.
             let mut offsets = [group[0].0; LANES];
             for (offset, frame) in offsets.iter_mut().zip(group) {
@@ -268,6 +276,41 @@ impl Plan {
             }
         }
     }
+}
+
+/// Asks the CPU to start fetching the samples of `frames` (`n` each) into its nearest cache while
+/// it transforms the group before them. The waveform was decoded on another core (a loader
+/// thread), so its lines sit in that core's cache or the shared one, and reading them on demand
+/// cost about a third of the featuriser's time (measured with `benches/featurise.rs`: 44.5 µs
+/// per recording with 20 MB of clips, 31.7 µs with clips that fit the core's own cache; one group
+/// ahead took the first to 43 µs, two groups ahead did no better). A prefetch changes no result
+/// and never faults.
+#[inline(always)]
+fn prefetch(wav: &Waveform, frames: &[(usize, usize)], n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        const LINE: usize = 64;
+        let (base, size): (*const u8, usize) = match wav {
+            Waveform::Pcm16(v) => (v.as_ptr().cast(), 2),
+            Waveform::Float(v) => (v.as_ptr().cast(), 4),
+        };
+        // Frames of a group overlap or follow each other: each line is asked for once.
+        let mut next = 0;
+        for &(offset, _) in frames {
+            let end = (offset + n) * size;
+            let mut line = (offset * size).max(next) / LINE * LINE;
+            while line < end {
+                // SAFETY: a prefetch reads nothing architecturally and never faults; the address
+                // is only computed (wrapping_add), never dereferenced.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(line).cast()) };
+                line += LINE;
+            }
+            next = next.max(end);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (wav, frames, n);
 }
 
 /// The builds of the per-recording code; all give the same bits.
