@@ -684,28 +684,35 @@ impl Settings {
     /// ExecStartPre): the recordings folder exists and can be listed; the output and state
     /// folders, and the metrics textfile's folder, exist and are writable, or can be created
     /// (tested by creating and removing a probe file; nothing else is created). The error names
-    /// the key and the path.
-    pub fn check_paths(&self) -> Result<(), ConfigError> {
+    /// the key and the path. What only the configuration can mend (a missing recordings folder,
+    /// no permission, a read-only file system, a file where a folder belongs) is a
+    /// [`ConfigError`]; a condition that may pass (an I/O error, a full disk, a file system that
+    /// does not answer) is a [`PathUnavailable`], which `run` reports as a run-time failure
+    /// (exit 1: systemd restarts it).
+    pub fn check_paths(&self) -> Result<(), PathsError> {
         let rec = &self.paths.recordings;
         match std::fs::metadata(rec) {
             Err(e) => {
-                return Err(invalid(
+                return Err(path_error(
                     "paths.recordings",
                     format!("{}: {}", rec.display(), io_reason(&e)),
+                    &e,
                 ))
             }
             Ok(m) if !m.is_dir() => {
                 return Err(invalid(
                     "paths.recordings",
                     format!("{} is not a folder", rec.display()),
-                ))
+                )
+                .into())
             }
             Ok(_) => {}
         }
         if let Err(e) = std::fs::read_dir(rec) {
-            return Err(invalid(
+            return Err(path_error(
                 "paths.recordings",
                 format!("{}: cannot be read: {}", rec.display(), io_reason(&e)),
+                &e,
             ));
         }
         check_writable_dir("paths.output", &self.paths.output, true)?;
@@ -754,9 +761,49 @@ fn io_reason(e: &std::io::Error) -> String {
     }
 }
 
+/// What [`Settings::check_paths`] found wrong: the configuration, or a condition that may pass.
+#[derive(Debug, thiserror::Error)]
+pub enum PathsError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Unavailable(#[from] PathUnavailable),
+}
+
+/// A configured folder cannot be used now for a reason that may pass (an I/O error, a full
+/// disk, a file system that does not answer): not a configuration error (exit 1, not 2).
+#[derive(Debug, thiserror::Error)]
+#[error("`{key}`: {message} (a condition that may pass, not a configuration error)")]
+pub struct PathUnavailable {
+    pub key: String,
+    pub message: String,
+}
+
+/// Whether an I/O error says the configuration is wrong (a missing folder, no permission, a
+/// read-only file system, a file where a folder belongs), rather than that the disk fails now.
+pub(crate) fn is_configuration(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind as K;
+    matches!(
+        e.kind(),
+        K::NotFound | K::PermissionDenied | K::ReadOnlyFilesystem | K::NotADirectory
+    ) || matches!(e.raw_os_error(), Some(libc::ENAMETOOLONG | libc::ELOOP))
+}
+
+fn path_error(key: &str, message: String, e: &std::io::Error) -> PathsError {
+    if is_configuration(e) {
+        invalid(key, message).into()
+    } else {
+        PathUnavailable {
+            key: key.to_string(),
+            message,
+        }
+        .into()
+    }
+}
+
 /// `dir` is a writable folder, or (when `may_create`) a missing one whose nearest existing
 /// ancestor is a writable folder. Probed by creating and removing a file.
-fn check_writable_dir(key: &str, dir: &Path, may_create: bool) -> Result<(), ConfigError> {
+fn check_writable_dir(key: &str, dir: &Path, may_create: bool) -> Result<(), PathsError> {
     let mut at = dir.to_path_buf();
     loop {
         match std::fs::metadata(&at) {
@@ -765,7 +812,8 @@ fn check_writable_dir(key: &str, dir: &Path, may_create: bool) -> Result<(), Con
                 return Err(invalid(
                     key,
                     format!("{}: {} is not a folder", dir.display(), at.display()),
-                ))
+                )
+                .into())
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && may_create => {
                 if !at.pop() || at.as_os_str().is_empty() {
@@ -774,9 +822,10 @@ fn check_writable_dir(key: &str, dir: &Path, may_create: bool) -> Result<(), Con
                 }
             }
             Err(e) => {
-                return Err(invalid(
+                return Err(path_error(
                     key,
                     format!("{}: {}", dir.display(), io_reason(&e)),
+                    &e,
                 ))
             }
         }
@@ -797,9 +846,10 @@ fn check_writable_dir(key: &str, dir: &Path, may_create: bool) -> Result<(), Con
             } else {
                 format!("cannot be created in {}", at.display())
             };
-            Err(invalid(
+            Err(path_error(
                 key,
                 format!("{} {what}: {}", dir.display(), io_reason(&e)),
+                &e,
             ))
         }
     }

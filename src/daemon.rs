@@ -87,9 +87,10 @@ pub async fn serve(
     }
     let _lock = WriterLocks::acquire(&settings, "run")?;
     let _metrics = crate::metrics::Exporter::start(&settings.metrics)?;
-    // A full disk does not stop the service from starting: it waits for room (see Worker).
+    // A full disk or a failing one does not stop the service from starting: it says so and
+    // retries (see Worker). Anything else (outputs of other feature settings, say) is an error.
     let engine = match Engine::open_live(&settings, settings.ingest.device) {
-        Err(e) if e.downcast_ref::<crate::engine::commit::NoRoom>().is_none() => return Err(e),
+        Err(e) if !crate::engine::may_pass(&e) => return Err(e),
         other => other,
     };
     let device = engine
@@ -427,6 +428,11 @@ struct Worker {
     engine: Option<Engine>,
     /// The warm featuriser of a closed engine.
     warm: Option<Box<dyn crate::features::Featuriser>>,
+    /// The manifest of an engine abandoned after a failure, kept for the next open (dropping
+    /// it while the disk fails is what sled handles worst).
+    kept_manifest: Option<Arc<crate::engine::manifest::Manifest>>,
+    /// The last status snapshot could not be written to the state folder (warned once).
+    snapshot_failing: bool,
     fault: Option<Fault>,
     /// Failures since the last batch committed: the backoff grows with them.
     failures: u32,
@@ -456,7 +462,7 @@ impl Worker {
                 Some(f) => crate::engine::Warm::Keep(f),
                 None => crate::engine::Warm::Build(self.settings.ingest.device),
             };
-            let engine = Engine::open_live_with(&self.settings, warm)?;
+            let engine = Engine::open_live_with(&self.settings, warm, self.kept_manifest.take())?;
             self.device = engine.device().to_string();
             crate::metrics::outputs_open(true);
             self.engine = Some(engine);
@@ -470,10 +476,6 @@ impl Worker {
         // The first failure since a batch last committed (a retry that reopens the outputs and
         // then fails at the next batch, as a broken featuriser does, is the same failure).
         let first = self.failures == 0;
-        if let Some(engine) = self.engine.take() {
-            self.warm = engine.abandon();
-        }
-        crate::metrics::outputs_open(false);
         self.failures += 1;
         let wait = Self::backoff(self.failures);
         let error = format!("{e:#}");
@@ -482,10 +484,19 @@ impl Worker {
             Some(_) => ("featurising", "featurise"),
             None => ("writing", "write"),
         };
+        let recorded = if e
+            .downcast_ref::<crate::engine::commit::Unpublished>()
+            .is_some()
+        {
+            "the batch was recorded and its rows are published when the outputs reopen"
+        } else {
+            "nothing of the batch was recorded"
+        };
+        // Said before anything is closed: closing may fail too, and takes time.
         crate::metrics::write_failing(true);
         if first {
             log::error!(
-                "{what} failed, nothing of the batch was recorded: {error}; the service stays up and tries again in {} s",
+                "{what} failed, {recorded}: {error}; the service stays up and tries again in {} s",
                 wait.as_secs()
             );
             crate::metrics::error(metric);
@@ -503,6 +514,14 @@ impl Worker {
             error,
             retry_at: Instant::now() + wait,
         });
+        // Roll back: what is in flight is dropped (its sinks cut to their committed rows, as
+        // far as the disk lets them; the next open does the rest).
+        if let Some(engine) = self.engine.take() {
+            let (warm, manifest) = engine.abandon();
+            self.warm = warm;
+            self.kept_manifest = Some(manifest);
+        }
+        crate::metrics::outputs_open(false);
         self.dirty = true;
         self.snapshot();
     }
@@ -660,15 +679,31 @@ impl Worker {
                 dropped: self.dropped,
             }),
         });
-        let path = status::snapshot_path(&self.settings);
-        let result = (|| -> anyhow::Result<()> {
+        let json = serde_json::to_vec_pretty(&r).expect("the report serialises");
+        let write = |path: &Path| -> std::io::Result<()> {
             let tmp = path.with_extension("json.tmp");
-            std::fs::write(&tmp, serde_json::to_vec_pretty(&r)?)?;
-            std::fs::rename(&tmp, &path)?;
-            Ok(())
-        })();
-        if let Err(e) = result {
-            log::warn!("cannot write the status snapshot {}: {e:#}", path.display());
+            std::fs::write(&tmp, &json)?;
+            std::fs::rename(&tmp, path)
+        };
+        // The runtime copy first: it is what `status` reads when the state folder's disk fails.
+        let runtime = status::runtime_snapshot_path(&self.settings);
+        let _ = runtime
+            .parent()
+            .map(std::fs::create_dir_all)
+            .transpose()
+            .and_then(|_| write(&runtime));
+        let path = status::snapshot_path(&self.settings);
+        match write(&path) {
+            Ok(()) => self.snapshot_failing = false,
+            Err(e) if !self.snapshot_failing => {
+                self.snapshot_failing = true;
+                log::warn!(
+                    "cannot write the status snapshot {}: {e}; `ailhd status` reads {} meanwhile",
+                    path.display(),
+                    runtime.display()
+                );
+            }
+            Err(_) => {}
         }
         self.dirty = false;
         self.last_snapshot = Instant::now();
@@ -691,6 +726,8 @@ fn worker_loop(
         report,
         engine: None,
         warm: None,
+        kept_manifest: None,
+        snapshot_failing: false,
         fault: None,
         failures: 0,
         dropped: 0,
@@ -710,7 +747,7 @@ fn worker_loop(
             crate::metrics::outputs_open(true);
             w.engine = Some(e);
         }
-        // Only a full disk gets here (serve() stops on anything else): wait for room.
+        // Only a full or failing disk gets here (serve() stops on anything else): wait for it.
         Err(e) => w.fail(e),
     }
     let mut deferred: VecDeque<Work> = VecDeque::new();

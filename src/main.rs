@@ -121,8 +121,14 @@ fn main() -> ExitCode {
     match dispatch(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
+            // Exit 2 only for what the user must mend; an I/O error (even at start) is a run-time
+            // failure (exit 1), which systemd's Restart=on-failure retries.
             let usage = e.downcast_ref::<UsageError>().is_some()
-                || e.downcast_ref::<ailhd::config::ConfigError>().is_some();
+                || e.downcast_ref::<ailhd::config::ConfigError>().is_some()
+                || matches!(
+                    e.downcast_ref::<ailhd::config::PathsError>(),
+                    Some(ailhd::config::PathsError::Config(_))
+                );
             eprintln!("ailhd: error: {e:#}");
             ExitCode::from(if usage { 2 } else { 1 })
         }

@@ -95,6 +95,52 @@ pub fn snapshot_path(settings: &Settings) -> PathBuf {
     settings.paths.state.join("status.json")
 }
 
+/// The running service's second copy of its snapshot, in a runtime folder
+/// (`$RUNTIME_DIRECTORY`, which the unit's `RuntimeDirectory=` sets, else `/run/ailhd`): a
+/// tmpfs that stays writable when the state folder's disk fails, so `status` shows a failing
+/// disk live. Named after the state folder, so that several services on a host keep apart.
+pub fn runtime_snapshot_path(settings: &Settings) -> PathBuf {
+    let dir = std::env::var_os("RUNTIME_DIRECTORY")
+        .and_then(|d| {
+            d.to_string_lossy()
+                .split(':')
+                .next()
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+        })
+        .unwrap_or_else(|| PathBuf::from("/run/ailhd"));
+    let state = std::path::absolute(&settings.paths.state)
+        .unwrap_or_else(|_| settings.paths.state.clone());
+    let key = blake3::hash(state.as_os_str().as_encoded_bytes()).to_hex();
+    dir.join(format!("status-{}.json", &key[..16]))
+}
+
+/// The newest snapshot of the running service (of the state folder's and the runtime copy).
+fn read_snapshot(settings: &Settings) -> anyhow::Result<StatusReport> {
+    let mut best: Option<StatusReport> = None;
+    let mut first_error = None;
+    for path in [snapshot_path(settings), runtime_snapshot_path(settings)] {
+        let parsed = std::fs::read_to_string(&path)
+            .with_context(|| format!("has not written {} yet", path.display()))
+            .and_then(|t| {
+                serde_json::from_str::<StatusReport>(&t)
+                    .with_context(|| format!("cannot parse {}", path.display()))
+            });
+        match parsed {
+            Ok(r) => {
+                let when = |r: &StatusReport| r.service.as_ref().map_or(0, |s| s.updated_ms);
+                if best.as_ref().is_none_or(|b| when(&r) > when(b)) {
+                    best = Some(r);
+                }
+            }
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    best.ok_or_else(|| first_error.expect("two paths tried"))
+}
+
 /// Count everything in the manifest.
 pub fn collect(
     manifest: &Manifest,
@@ -158,15 +204,7 @@ pub fn collect(
 /// running service's snapshot.
 pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
     if let Some(holder) = WriterLock::holder(&settings.paths.state) {
-        let path = snapshot_path(settings);
-        let text = std::fs::read_to_string(&path).with_context(|| {
-            format!(
-                "{holder} holds the manifest and has not written {} yet",
-                path.display()
-            )
-        })?;
-        let mut r: StatusReport = serde_json::from_str(&text)
-            .with_context(|| format!("cannot parse {}", path.display()))?;
+        let mut r = read_snapshot(settings).with_context(|| format!("{holder} holds the manifest"))?;
         r.writer = Some(holder);
         return Ok(r);
     }

@@ -412,13 +412,13 @@ fn committed_rows(world: &World) -> Vec<u64> {
     .collect()
 }
 
-/// The one window between the two commits of a batch (src/engine/commit.rs): the outputs have
-/// committed it, a SWMR reader has seen its rows, and the service is killed before the manifest
-/// records it. The next start adopts those rows from their own columns instead of cutting them:
-/// committed_rows never falls, no seen row changes, nothing is featurised twice, and the
-/// outputs equal a rebuild's.
+/// The window between the manifest and the publish of a batch (src/engine/commit.rs): the
+/// manifest has recorded it, its rows are durable in the outputs, `committed_rows` has not
+/// moved yet, and the service is killed. The next start publishes those rows: committed_rows
+/// never falls, no seen row changes, nothing is featurised twice, and the outputs equal a
+/// rebuild's.
 #[test]
-fn rows_committed_before_a_kill_in_the_manifest_window_are_adopted_not_cut() {
+fn rows_recorded_before_a_kill_in_the_publish_window_are_published_not_cut() {
     let world = World::new(FAST);
     let rec = world.rec();
     let clip = |label: &str, i: u64| clip_wav(label, 700 + i);
@@ -443,27 +443,27 @@ fn rows_committed_before_a_kill_in_the_manifest_window_are_adopted_not_cut() {
     write_via_rename(&rec, "CRACK/new.wav", &clip("CRACK", 52));
     let reader = PyReader::start(&world, "rows_keep.py");
     // Test builds have a fail point there (Cargo.toml, feature `failpoints`): the first batch
-    // that appends rows sleeps between the outputs' commit and the manifest's.
-    let svc = Service::start_failing(&world, "commit-before-manifest=1*sleep(120000)");
-    svc.wait_for("rows committed beyond the manifest's", || {
-        committed_rows(&world).iter().sum::<u64>() > 6
+    // that appends rows sleeps between the manifest's flush and the outputs' publish.
+    let svc = Service::start_failing(&world, "commit-before-publish=1*sleep(120000)");
+    let snap = svc.wait("the manifest records the batch", |s| {
+        ["training", "validation", "testing"]
+            .iter()
+            .map(|k| s["splits"][k]["rows"].as_u64().unwrap_or(0))
+            .sum::<u64>()
+            == 9
     });
-    // Let the reader see them before the kill.
+    // The reader has had time to look: it saw no row of the batch.
     std::thread::sleep(Duration::from_millis(300));
     let seen = committed_rows(&world);
-    svc.kill9();
-    let snap = world.status_json();
-    let recorded: u64 = ["training", "validation", "testing"]
-        .iter()
-        .map(|k| snap["splits"][k]["rows"].as_u64().unwrap())
-        .sum();
     assert_eq!(
-        recorded, 6,
-        "killed before the manifest recorded the batch: {snap}"
+        seen.iter().sum::<u64>(),
+        6,
+        "committed_rows moved before the publish: {seen:?}, {snap}"
     );
+    svc.kill9();
 
     let svc = Service::start(&world);
-    let snap = svc.wait("the tree checked against the adopted rows", |s| {
+    let snap = svc.wait("the tree checked against the published rows", |s| {
         let valid: u64 = ["training", "validation", "testing"]
             .iter()
             .map(|k| s["splits"][k]["valid"].as_u64().unwrap())
@@ -472,7 +472,7 @@ fn rows_committed_before_a_kill_in_the_manifest_window_are_adopted_not_cut() {
     });
     let log = svc.log();
     assert!(
-        log.contains("had committed") && log.contains("adopted them"),
+        log.contains("publishing rows") && log.contains("recorded in the manifest"),
         "{log}"
     );
     assert!(!log.contains("never recorded in the manifest"), "{log}");
@@ -495,6 +495,57 @@ fn rows_committed_before_a_kill_in_the_manifest_window_are_adopted_not_cut() {
         }
     }
     compare_with_rebuild(&world);
+}
+
+/// The window between the outputs' prepare and the manifest (src/engine/commit.rs): a batch's
+/// rows are on disk, nothing records them, and `committed_rows` has not moved. Killed there, the
+/// service never showed them to a reader; the next start cuts them and ingests the file again.
+#[test]
+fn rows_prepared_before_a_kill_in_the_manifest_window_were_never_visible() {
+    let world = World::new(FAST);
+    let rec = world.rec();
+    for i in 0..4usize {
+        let (label, rel) = alternating(i, 2);
+        write_via_rename(&rec, &rel, &clip_wav(label, 800 + i as u64));
+    }
+    let svc = Service::start(&world);
+    svc.wait("4 files committed", |s| committed(s) == 4);
+    svc.terminate();
+    let reader = PyReader::start(&world, "rows_keep.py");
+    // The first batch that appends rows sleeps between the outputs' prepare and the manifest.
+    let svc = Service::start_failing(&world, "commit-before-manifest=1*sleep(120000)");
+    write_via_rename(&rec, "CRACK/late.wav", &clip_wav("CRACK", 810));
+    svc.wait_for("the late file's rows on disk, beyond committed_rows", || {
+        hdf5_extents(&world).iter().sum::<u64>() > 4
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(committed_rows(&world).iter().sum::<u64>(), 4);
+    svc.kill9();
+
+    let svc = Service::start(&world);
+    svc.wait("the late file ingested again", |s| {
+        committed(s) == 5 && s["service"]["queue_depth"] == 0
+    });
+    assert!(svc.log().contains("reclaiming"), "{}", svc.log());
+    println!("{}", reader.finish());
+    svc.terminate();
+    compare_with_rebuild(&world);
+}
+
+/// Rows each split's HDF5 file holds (its datasets' extent), committed or not.
+fn hdf5_extents(world: &World) -> Vec<u64> {
+    [
+        "TRAINING_DATASET.H5",
+        "VALIDATION_DATASET.H5",
+        "TESTING_DATASET.H5",
+    ]
+    .iter()
+    .map(|n| {
+        ailhd::output::read::SwmrSplit::open(&world.out().join(n))
+            .and_then(|f| f.extent("blake3"))
+            .unwrap()
+    })
+    .collect()
 }
 
 #[test]

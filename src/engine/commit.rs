@@ -2,14 +2,18 @@
 //!
 //! 1. append the new rows (their row numbers were fixed by the ledger; checked here);
 //! 2. apply in-place edits (`valid`, new owners) and appended labels;
-//! 3. live: commit the outputs (flush, then `committed_rows`);
+//! 3. live: prepare the outputs: every appended row and edit durable on disk, `committed_rows`
+//!    not moved (readers see nothing new);
 //! 4. store the records and the row counts in the manifest; live: flush. This is the commit
-//!    point: after a crash, whatever the manifest does not record is ingested again. Rows the
-//!    outputs committed in step 3 (readers may have seen them) are adopted into the manifest
-//!    from their own columns ([`super::recover::adopt_tail`]); uncommitted ones are cut.
+//!    point: after a crash, whatever the manifest does not record is ingested again, and rows
+//!    it records are there (step 3);
+//! 5. live: publish: `committed_rows` moves to the new rows, last. A reader therefore never
+//!    sees a row the manifest does not hold, and no row it saw is ever taken back: a start
+//!    after a crash between 4 and 5 publishes the rows the manifest records
+//!    (`open_append`'s `keep`), and cuts only rows no reader saw.
 //!
-//! In bulk (`rebuild` into staging) steps 3 and the flush happen once at the end: the staging
-//! outputs are swapped in only when complete.
+//! In bulk (`rebuild` into staging) steps 3 to 5 happen once at the end: the staging outputs
+//! are swapped in only when complete.
 
 use crate::engine::ledger::{Edit, Plan};
 use crate::engine::manifest::{Manifest, ManifestBatch};
@@ -64,16 +68,14 @@ impl Committer {
         for f in group {
             self.write(f)?;
         }
-        self.outputs.commit()?;
-        // Test builds (feature `failpoints`): a sleep here holds the service between the two
-        // commits of a group that appended rows, where tests/daemon.rs kills it.
-        fail::fail_point!(
-            "commit-before-manifest",
-            group
-                .iter()
-                .any(|f| f.plan.new_rows.iter().any(|r| !r.is_empty())),
-            |_| Ok(())
-        );
+        self.outputs.prepare()?;
+        // Test builds (feature `failpoints`): a sleep here holds the service between the
+        // outputs' prepare and the manifest (tests/daemon.rs kills it there), in a group that
+        // appended rows.
+        let appends = group
+            .iter()
+            .any(|f| f.plan.new_rows.iter().any(|r| !r.is_empty()));
+        fail::fail_point!("commit-before-manifest", appends, |_| Ok(()));
         StageTimes::add(&self.times.write, t);
         let t = Instant::now();
         for f in group {
@@ -81,6 +83,13 @@ impl Committer {
         }
         self.manifest.flush()?;
         StageTimes::add(&self.times.manifest, t);
+        // The same, between the manifest and the publish.
+        fail::fail_point!("commit-before-publish", appends, |_| Ok(()));
+        let t = Instant::now();
+        self.outputs.publish().map_err(|e| {
+            anyhow::Error::new(Unpublished).context(format!("{e:#}"))
+        })?;
+        StageTimes::add(&self.times.write, t);
         self.committed.store(last.plan.gen, Ordering::Release);
         Ok(())
     }
@@ -164,11 +173,18 @@ impl Committer {
 
     /// Everything durable, files closed (plain readers see exactly `committed_rows` rows).
     pub fn close(mut self) -> anyhow::Result<()> {
-        self.outputs.commit()?;
+        self.outputs.prepare()?;
         self.manifest.flush()?;
+        self.outputs.commit()?;
         self.outputs.close()
     }
 }
+
+/// Publishing a group failed after the manifest recorded it: its rows are durable and recorded,
+/// and the outputs publish them when they are opened again.
+#[derive(Debug, thiserror::Error)]
+#[error("the batch was recorded; its rows become visible when the outputs are opened again")]
+pub struct Unpublished;
 
 /// Free space the service keeps in hand on the output and state folders: a batch is written
 /// only when its rows fit with this to spare, so a filling disk stops the service before

@@ -9,7 +9,9 @@
 
 use crate::identity::Hash;
 use serde::{Deserialize, Serialize};
+use std::mem::ManuallyDrop;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Version of the manifest layout. The descriptions and upgrade steps live in `migrations/`.
 pub const MANIFEST_SCHEMA_VERSION: u32 = 2;
@@ -94,12 +96,17 @@ pub enum ManifestError {
     },
 }
 
+/// The sled database and its trees. The handles are dropped by [`Manifest`]'s own `Drop`, where
+/// a panic of sled's is contained (see there).
 pub struct Manifest {
     path: String,
-    db: sled::Db,
-    files: sled::Tree,
-    content: sled::Tree,
-    meta: sled::Tree,
+    db: ManuallyDrop<sled::Db>,
+    files: ManuallyDrop<sled::Tree>,
+    content: ManuallyDrop<sled::Tree>,
+    meta: ManuallyDrop<sled::Tree>,
+    /// sled returned an I/O error: this handle may hold changes it could not write, and sled
+    /// refuses further work once its log failed. The owner reopens the manifest from the disk.
+    failed: AtomicBool,
 }
 
 /// A set of changes applied atomically per tree (sled batches).
@@ -209,10 +216,11 @@ impl Manifest {
         let meta = db.open_tree("meta").map_err(db_err)?;
         let m = Manifest {
             path: path.clone(),
-            db,
-            files,
-            content,
-            meta,
+            db: ManuallyDrop::new(db),
+            files: ManuallyDrop::new(files),
+            content: ManuallyDrop::new(content),
+            meta: ManuallyDrop::new(meta),
+            failed: AtomicBool::new(false),
         };
         match m.meta.get("schema_version").map_err(db_err)? {
             None if m.files.is_empty() && m.content.is_empty() => {
@@ -249,6 +257,9 @@ impl Manifest {
     }
 
     pub(crate) fn err(&self, source: sled::Error) -> ManifestError {
+        if matches!(source, sled::Error::Io(_)) {
+            self.failed.store(true, Ordering::Release);
+        }
         ManifestError::Db {
             path: self.path.clone(),
             source,
@@ -256,7 +267,14 @@ impl Manifest {
     }
 
     pub(crate) fn trees(&self) -> (&sled::Tree, &sled::Tree, &sled::Tree) {
-        (&self.files, &self.content, &self.meta)
+        (&*self.files, &*self.content, &*self.meta)
+    }
+
+    /// sled met an I/O error through this handle: what it holds in memory may differ from the
+    /// disk, so it must not be used again; reopen the manifest (dropping this handle does no I/O
+    /// once sled has failed, and a panic of sled's while closing is contained).
+    pub fn failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
     }
 
     fn corrupt(&self, key: String, message: String) -> ManifestError {
@@ -387,6 +405,39 @@ impl Manifest {
     pub fn flush(&self) -> Result<(), ManifestError> {
         self.db.flush().map_err(|e| self.err(e))?;
         Ok(())
+    }
+}
+
+/// sled 0.34 flushes and fsyncs in its log's `Drop` and panics there when the disk fails
+/// (`sync_all().unwrap()`, sled's pagecache/logger.rs): dropping a manifest while the disk fails
+/// would kill the service. So the manifest is flushed here first, with the error handled, and
+/// sled's handles are dropped where a panic is contained. Nothing recorded is lost either way:
+/// what sled had made durable stays, and the rest (never acknowledged) is found again by the
+/// next start's comparison with the tree. A panic inside that drop is printed by the panic hook
+/// and logged here; the process goes on.
+impl Drop for Manifest {
+    fn drop(&mut self) {
+        if !self.failed() {
+            if let Err(e) = self.db.flush() {
+                log::warn!("manifest {}: flushing before closing: {e}", self.path);
+            }
+        }
+        // SAFETY: each handle is taken once, here, and the struct is never used again.
+        let handles = unsafe {
+            (
+                ManuallyDrop::take(&mut self.meta),
+                ManuallyDrop::take(&mut self.content),
+                ManuallyDrop::take(&mut self.files),
+                ManuallyDrop::take(&mut self.db),
+            )
+        };
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(handles))).is_err()
+        {
+            log::error!(
+                "manifest {}: sled failed while closing (a disk error): what it had made durable is kept, the rest is taken up again at the next open",
+                self.path
+            );
+        }
     }
 }
 

@@ -130,11 +130,16 @@ impl Engine {
     /// The service's engine: the live outputs and manifest, opened for appending after a clean
     /// stop or a crash alike (the caller holds the writer lock).
     pub fn open_live(settings: &Settings, device: DeviceChoice) -> anyhow::Result<Engine> {
-        Self::open_live_with(settings, Warm::Build(device))
+        Self::open_live_with(settings, Warm::Build(device), None)
     }
 
-    /// [`Engine::open_live`] with the featuriser of a suspended engine, or a new one.
-    pub fn open_live_with(settings: &Settings, warm: Warm) -> anyhow::Result<Engine> {
+    /// [`Engine::open_live`] with the featuriser of a suspended engine, or a new one, and the
+    /// manifest an abandoned engine handed back ([`Engine::abandon`]) unless sled failed in it.
+    pub fn open_live_with(
+        settings: &Settings,
+        warm: Warm,
+        kept: Option<Arc<Manifest>>,
+    ) -> anyhow::Result<Engine> {
         // Reopening writes (outputs recovered and synced, the manifest flushed): not on a
         // full disk, where it could only fail half-way.
         for dir in [&settings.paths.output, &settings.paths.state] {
@@ -144,7 +149,12 @@ impl Engine {
         }
         crate::staging::finish_pending(settings)?;
         let out_dir = &settings.paths.output;
-        let manifest = open_or_set_aside(&crate::staging::manifest_dir(settings))?;
+        // A kept handle saves the reopen, and dropping a manifest while the disk fails is what
+        // sled handles worst (see Manifest's Drop). One sled failed in is reopened from disk.
+        let manifest = match kept {
+            Some(m) if !m.failed() => m,
+            _ => Arc::new(open_or_set_aside(&crate::staging::manifest_dir(settings))?),
+        };
         if OutputSet::exists(out_dir, &settings.outputs) && recover::is_blank(&manifest)? {
             if let Some(r) = recover::from_outputs(settings, &manifest)? {
                 log::warn!(
@@ -169,7 +179,7 @@ impl Engine {
             if let Some(a) = recover::adopt_tail(settings, &manifest)? {
                 let n: u64 = a.rows.iter().sum();
                 log::warn!(
-                    "the outputs in {} had committed {n} rows the manifest had not recorded (the service stopped between the two commits of a batch): adopted them ({} training, {} validation, {} testing{}), no row cut. Checking the tree against them",
+                    "the outputs in {} had committed {n} rows the manifest had not recorded (an older ailhd stopped between its two commits of a batch): adopted them ({} training, {} validation, {} testing{}), no row cut. Checking the tree against them",
                     out_dir.display(),
                     a.rows[0],
                     a.rows[1],
@@ -290,7 +300,13 @@ impl Engine {
         meta.put_labels(&labels.names, settings.labels.names.len());
         manifest.apply(meta)?;
         Ok(Engine::start(
-            settings, labels, [0; 3], manifest, outputs, featuriser, false,
+            settings,
+            labels,
+            [0; 3],
+            Arc::new(manifest),
+            outputs,
+            featuriser,
+            false,
         ))
     }
 
@@ -298,12 +314,11 @@ impl Engine {
         settings: &Settings,
         labels: LabelSet,
         rows: [u64; 3],
-        manifest: Manifest,
+        manifest: Arc<Manifest>,
         outputs: OutputSet,
         featuriser: Box<dyn Featuriser>,
         live: bool,
     ) -> Engine {
-        let manifest = Arc::new(manifest);
         let ledger = if live {
             Ledger::new(settings, labels, rows)
         } else {
@@ -585,8 +600,10 @@ impl Engine {
 
     /// After a failure: drop whatever is in flight (nothing of it is recorded) and hand back
     /// the featuriser, if its thread still has it: not after the featuriser itself failed
-    /// (then None, and the next [`Engine::open_live_with`] must build a new one).
-    pub fn abandon(mut self) -> Option<Box<dyn Featuriser>> {
+    /// (then None, and the next [`Engine::open_live_with`] must build a new one); and the
+    /// manifest, for the next open.
+    pub fn abandon(mut self) -> (Option<Box<dyn Featuriser>>, Arc<Manifest>) {
+        let manifest = self.manifest.clone();
         self.to_featurise = None;
         let featuriser = self
             .featurising
@@ -598,7 +615,7 @@ impl Engine {
             // a commit cuts back whatever was appended and not committed.
             let _ = h.join();
         }
-        featuriser
+        (featuriser, manifest)
     }
 
     fn stop(mut self) -> anyhow::Result<featurise::Stopped> {
@@ -634,6 +651,20 @@ impl Drop for Engine {
             }
         }
     }
+}
+
+/// Whether an error of the engine may pass by itself: a full disk, or an I/O error of the disk,
+/// of sled or of HDF5 (which reports one as a failed call). The service says so and retries
+/// instead of stopping; anything else (outputs of other feature settings, a configuration that
+/// cannot work) stops it.
+pub fn may_pass(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.is::<commit::NoRoom>()
+            || c.is::<hdf5::Error>()
+            || c.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| !crate::config::is_configuration(io))
+            || matches!(c.downcast_ref::<sled::Error>(), Some(sled::Error::Io(_)))
+    })
 }
 
 /// Open the manifest in `dir`; when it cannot be read (damaged, unknown layout), move it aside
@@ -788,7 +819,7 @@ mod tests {
         let leak = s.paths.recordings.join("LEAK");
         std::fs::create_dir_all(&leak).unwrap();
         let shape = s.features.shape();
-        let mut engine = Engine::open_live_with(&s, Warm::Keep(Box::new(Gone(shape)))).unwrap();
+        let mut engine = Engine::open_live_with(&s, Warm::Keep(Box::new(Gone(shape))), None).unwrap();
         let mut error = None;
         for i in 0..50 {
             let name = crate::synth::file_name(i, 1);

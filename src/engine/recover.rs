@@ -18,12 +18,12 @@
 //! hashed once more (features are not recomputed: unchanged bytes keep their row), and every
 //! other file is judged as new.
 //!
-//! The same columns close the one window between the two commits of a batch (see
-//! [`super::commit`]): a service stopped after the outputs committed a batch (its rows visible to
-//! SWMR readers) and before the manifest recorded it. Its rows are not cut: [`adopt_tail`]
-//! records them as the ledger had decided them, and the reconcile does the rest of that batch
-//! again (its edits of older rows are already in the outputs, and doing them again writes the
-//! same values).
+//! The same columns take over rows that outputs written by an older version of `ailhd` (which
+//! committed the outputs before the manifest; today's [`super::commit`] moves `committed_rows`
+//! last) had committed and not recorded when the service stopped: rows SWMR readers may have
+//! seen. They are not cut: [`adopt_tail`] records them as the ledger had decided them, and the
+//! reconcile does the rest of that batch again (its edits of older rows are already in the
+//! outputs, and doing them again writes the same values).
 
 use super::manifest::{ContentRecord, FileRecord, Manifest, ManifestBatch, RowRef};
 use crate::config::{Settings, SPLITS};

@@ -113,6 +113,10 @@ pub struct Hdf5Sink {
     staged: bool,
     /// A staging file gives its page cache back a batch behind ([`Recycler`]).
     recycler: Recycler,
+    /// An HDF5 call on this file failed (an I/O error, say): the library's state of the file
+    /// may be inconsistent, and touching it again has crashed (`H5Dget_space` after a failed
+    /// resize). Nothing is done with it but closing; the next open cuts what was not committed.
+    broken: bool,
 }
 
 struct Column {
@@ -216,6 +220,7 @@ impl Hdf5Sink {
             header: header.clone(),
             staged: !sync,
             recycler: Recycler::default(),
+            broken: false,
         };
         if sync {
             sink.flush_and_sync()?;
@@ -258,8 +263,10 @@ impl Hdf5Sink {
         }
         let file = match open_rw(path, header, false) {
             Ok(f) => f,
-            // HDF5's "file is already open for write (may use <h5clear file> ...)".
-            Err(first) if format!("{first:#}").contains("h5clear") => {
+            // HDF5's "file is already open for write (may use <h5clear file> ...)", or "file is
+            // not already open for SWMR writing" (a writer without SWMR was killed, as a
+            // recovery's plain open was): any refusal is tried once more with the flags cleared.
+            Err(first) => {
                 log::warn!(
                     "{}: {first:#}; assuming its writer was killed and recovering it",
                     path.display()
@@ -272,12 +279,6 @@ impl Hdf5Sink {
                         path.display()
                     )
                 })?
-            }
-            Err(e) => {
-                return Err(e.context(format!(
-                    "{}: not a readable HDF5 file; move it away and run `ailhd rebuild`",
-                    path.display()
-                )))
             }
         };
         let schema = file
@@ -351,11 +352,11 @@ impl Hdf5Sink {
                     shape[0]
                 );
             }
-            if shape[0] as u64 > committed {
+            if shape[0] as u64 > keep.unwrap_or(committed).max(committed) {
                 log::info!(
                     "{}: reclaiming {} uncommitted rows of {}",
                     path.display(),
-                    shape[0] as u64 - committed,
+                    shape[0] as u64 - keep.unwrap_or(committed).max(committed),
                     spec.name
                 );
             }
@@ -374,26 +375,69 @@ impl Hdf5Sink {
             header: header.clone(),
             staged: false,
             recycler: Recycler::default(),
+            // Until it is fully open: an error on the way only closes the file.
+            broken: true,
         };
-        // Rows past committed_rows are the partial batch of a crashed writer: drop them so
-        // that every dataset again has exactly committed_rows rows.
-        sink.resize_all(committed)?;
-        if let Some(k) = keep.filter(|&k| k < committed) {
-            log::info!(
-                "{}: reclaiming rows {k}..{committed}, never recorded in the manifest",
-                path.display()
-            );
-            sink.resize_all(k)?;
-            sink.len = k;
-            sink.dirty = true;
-            sink.commit()?;
+        match keep {
+            // The service stopped after the manifest recorded a batch and before the outputs
+            // published it (SplitSink::publish): its rows were made durable first, so they are
+            // there; publish them now (readers may have seen them in an earlier life of the file).
+            Some(k) if k > committed => {
+                if let Some(c) = sink.cols.iter().find(|c| (c.ds.shape()[0] as u64) < k) {
+                    bail!(
+                        "{}: dataset {} has {} rows, fewer than the {k} the manifest records; the \
+                         file is damaged: move it away and run `ailhd rebuild`",
+                        path.display(),
+                        c.spec.name,
+                        c.ds.shape()[0]
+                    );
+                }
+                log::info!(
+                    "{}: publishing rows {committed}..{k}, recorded in the manifest before the service stopped",
+                    path.display()
+                );
+                sink.resize_all(k)?;
+                sink.dirty = true;
+                sink.commit_now()?;
+            }
+            // Rows the manifest does not account for were never published under this
+            // protocol (an older version committed the outputs first: the caller adopts such
+            // rows into the manifest before it gets here).
+            Some(k) if k < committed => {
+                log::warn!(
+                    "{}: cutting rows {k}..{committed}, never recorded in the manifest",
+                    path.display()
+                );
+                sink.resize_all(k)?;
+                sink.dirty = true;
+                sink.commit_now()?;
+            }
+            // Rows past committed_rows are the partial batch of a crashed writer: drop them so
+            // that every dataset again has exactly committed_rows rows.
+            _ => sink.resize_all(committed)?,
         }
         sink.ensure_label_room()?;
         sink.flush_and_sync()?;
         if swmr {
             sink.start_swmr()?;
         }
+        sink.broken = false;
         Ok(sink)
+    }
+
+    /// Run `f`, remembering a failure ([`Hdf5Sink::broken`]); refuse once broken.
+    fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if self.broken {
+            bail!(
+                "{}: an earlier HDF5 call on this file failed; it is reopened first",
+                self.path.display()
+            );
+        }
+        let r = f(self);
+        if r.is_err() {
+            self.broken = true;
+        }
+        r
     }
 
     /// Replace the `labels_json` / `label2id_json` attributes (a label folder appended under
@@ -526,7 +570,16 @@ impl Hdf5Sink {
     }
 
     /// Write every cached byte to the file (H5Fflush: raw-data chunk caches, metadata,
-    /// superblock), then `fdatasync` it, so that what follows is ordered after it on disk.
+    /// superblock), without waiting for the disk.
+    fn flush(&self) -> Result<()> {
+        let file = self.file()?;
+        hdf5::sync::sync(|| unsafe {
+            hdf5::h5check(H5Fflush(file.id(), H5F_scope_t::H5F_SCOPE_LOCAL)).map(drop)
+        })
+        .with_context(|| format!("{}: flushing", self.path.display()))
+    }
+
+    /// [`Hdf5Sink::flush`], then `fdatasync`, so that what follows is ordered after it on disk.
     fn flush_and_sync(&self) -> Result<()> {
         let file = self.file()?;
         let fd = self.fd()?;
@@ -548,10 +601,21 @@ impl Hdf5Sink {
             .with_context(|| format!("{}: writing committed_rows", self.path.display()))
     }
 
-    /// Shrink away uncommitted rows, flush, close. Idempotent.
+    /// Shrink away uncommitted rows, flush, close. Idempotent. A broken file is only closed.
     fn finish(&mut self) -> Result<()> {
         if self.file.is_none() {
             return Ok(());
+        }
+        if self.broken {
+            self.cols.clear();
+            self.committed_ds = None;
+            let file = self.file.take().expect("checked above");
+            return file.close().with_context(|| {
+                format!(
+                    "{}: closing after a failed HDF5 call (its uncommitted rows are cut at the next open)",
+                    self.path.display()
+                )
+            });
         }
         if self.len > self.committed {
             log::warn!(
@@ -605,22 +669,18 @@ impl SplitSink for Hdf5Sink {
             return Ok(first);
         }
         let n = meta.len() as u64;
-        self.dirty = true;
-        self.resize_all(first + n)?;
-        let written = self.cols.iter().zip(&bytes).try_for_each(|(c, b)| {
-            write_rows(&c.ds, &c.mem_type, first, n, b).with_context(|| {
-                format!(
-                    "{}: writing {n} rows of {}",
-                    self.path.display(),
-                    c.spec.name
-                )
+        // A failure leaves the sink broken (no further HDF5 call on it): the engine drops it,
+        // and the next open cuts the rows past committed_rows.
+        self.guarded(|s| {
+            s.dirty = true;
+            s.resize_all(first + n)?;
+            s.cols.iter().zip(&bytes).try_for_each(|(c, b)| {
+                write_rows(&c.ds, &c.mem_type, first, n, b).with_context(|| {
+                    format!("{}: writing {n} rows of {}", s.path.display(), c.spec.name)
+                })
             })
-        });
-        if written.is_err() {
-            // Leave no half-written rows for a later commit to cover.
-            let _ = self.resize_all(first);
-        }
-        written.map(|()| first)
+        })
+        .map(|()| first)
     }
 
     fn set_valid(&mut self, row: u64, valid: bool) -> Result<()> {
@@ -628,28 +688,39 @@ impl SplitSink for Hdf5Sink {
     }
 
     fn write_cell(&mut self, name: &str, row: u64, bytes: &[u8]) -> Result<()> {
-        Self::write_cell(self, name, row, bytes)
+        self.guarded(|s| Hdf5Sink::write_cell(s, name, row, bytes))
     }
 
     fn set_labels(&mut self, labels: &[String]) -> Result<()> {
-        Hdf5Sink::set_labels(self, labels)
+        self.guarded(|s| Hdf5Sink::set_labels(s, labels))
     }
 
     fn commit(&mut self) -> Result<()> {
         if !self.dirty {
             return Ok(());
         }
-        if self.staged {
-            // Nobody opens a staging output before its close has synced it.
-            self.write_committed_rows()?;
-            self.committed = self.len;
-            self.dirty = false;
+        self.guarded(|s| s.commit_now())
+    }
+
+    fn prepare(&mut self) -> Result<()> {
+        if self.dirty && !self.staged {
+            self.guarded(|s| s.flush_and_sync())?;
+        }
+        Ok(())
+    }
+
+    fn publish(&mut self) -> Result<()> {
+        if !self.dirty {
             return Ok(());
         }
-        // Data first, durably; only then the count that makes it visible.
-        self.flush_and_sync()?;
-        self.write_committed_rows()?;
-        self.flush_and_sync()?;
+        if !self.staged {
+            // Written and flushed to the file (SWMR readers read it there), not synced: see
+            // SplitSink::publish.
+            self.guarded(|s| {
+                s.write_committed_rows()?;
+                s.flush()
+            })?;
+        }
         self.committed = self.len;
         self.dirty = false;
         Ok(())
@@ -680,6 +751,23 @@ impl Drop for Hdf5Sink {
 }
 
 impl Hdf5Sink {
+    fn commit_now(&mut self) -> Result<()> {
+        if self.staged {
+            // Nobody opens a staging output before its close has synced it.
+            self.write_committed_rows()?;
+            self.committed = self.len;
+            self.dirty = false;
+            return Ok(());
+        }
+        // Data first, durably; only then the count that makes it visible.
+        self.flush_and_sync()?;
+        self.write_committed_rows()?;
+        self.flush_and_sync()?;
+        self.committed = self.len;
+        self.dirty = false;
+        Ok(())
+    }
+
     fn write_cell(&mut self, name: &str, row: u64, bytes: &[u8]) -> Result<()> {
         if row >= self.len {
             bail!(

@@ -104,6 +104,14 @@ pub trait SplitSink: Send {
     fn set_labels(&mut self, labels: &[String]) -> anyhow::Result<()>;
     /// Make every appended row durable and visible: flush data, then `committed_rows`.
     fn commit(&mut self) -> anyhow::Result<()>;
+    /// The first half of the service's commit: every appended row and edited cell durable on
+    /// disk, `committed_rows` not moved (readers see nothing new yet).
+    fn prepare(&mut self) -> anyhow::Result<()>;
+    /// The second half, once the manifest holds the batch durably: move `committed_rows` to
+    /// the rows appended, so readers see them. Not synced: a start after a crash moves it again
+    /// to what the manifest records (`open_append`'s `keep`), from the rows `prepare` made
+    /// durable.
+    fn publish(&mut self) -> anyhow::Result<()>;
     /// Start writing what was appended to disk, without waiting for it. A bulk run calls this
     /// after each batch, so that the closing sync finds little left to write and the disk
     /// works while the next batches are computed.

@@ -230,7 +230,21 @@ impl NpySink {
             });
         }
         let on_disk = shapes.iter().copied().min().unwrap_or(0);
-        let committed = keep.map_or(on_disk, |k| k.min(on_disk));
+        // Rows past the headers that the manifest records (`keep`) were made durable before the
+        // manifest recorded them (SplitSink::prepare), and the service stopped before it
+        // published them: they are kept (the size check below finds them, or a damaged file).
+        let committed = keep.unwrap_or(on_disk);
+        if committed > on_disk {
+            log::info!(
+                "{}: publishing rows {on_disk}..{committed}, recorded in the manifest before the service stopped",
+                dir.display()
+            );
+        } else if committed < on_disk {
+            log::warn!(
+                "{}: cutting rows {committed}..{on_disk}, never recorded in the manifest",
+                dir.display()
+            );
+        }
         let mut sink = NpySink {
             dir: dir.to_path_buf(),
             header: header.clone(),
@@ -250,7 +264,7 @@ impl NpySink {
             if size < want {
                 bail!(
                     "{}: {size} bytes, too short for its {committed} committed rows; the output \
-                     is damaged: run `ailhd rebuild`",
+                     is damaged: move it away and run `ailhd rebuild`",
                     c.path.display()
                 );
             }
@@ -337,6 +351,20 @@ impl NpySink {
             .and_then(|f| f.sync_all())
             .with_context(|| format!("syncing {}", attributes.display()))?;
         sync_dir(&self.dir)
+    }
+
+    /// Appended rows and in-place edits of every column durable on disk.
+    fn sync_data(&self) -> Result<()> {
+        for c in &self.cols {
+            if let Some(m) = &c.edit_map {
+                m.flush()
+                    .with_context(|| format!("flushing {}", c.path.display()))?;
+            }
+            c.file
+                .sync_data()
+                .with_context(|| format!("syncing {}", c.path.display()))?;
+        }
+        Ok(())
     }
 
     fn write_cell(&mut self, name: &str, row: u64, bytes: &[u8]) -> Result<()> {
@@ -523,20 +551,36 @@ impl SplitSink for NpySink {
         }
         // Data (appended rows and in-place edits) durable in every column before any header
         // says it is there.
-        for c in &self.cols {
-            if let Some(m) = &c.edit_map {
-                m.flush()
-                    .with_context(|| format!("flushing {}", c.path.display()))?;
-            }
-            c.file
-                .sync_data()
-                .with_context(|| format!("syncing {}", c.path.display()))?;
-        }
+        self.sync_data()?;
         let rows = self.len;
         for c in &mut self.cols {
             c.write_shape(rows, true)?;
         }
         write_attributes(&self.dir, &self.attrs, rows, true)?;
+        self.committed = rows;
+        self.dirty = false;
+        Ok(())
+    }
+
+    fn prepare(&mut self) -> Result<()> {
+        if self.dirty && !self.staged {
+            self.sync_data()?;
+        }
+        Ok(())
+    }
+
+    fn publish(&mut self) -> Result<()> {
+        if !self.dirty {
+            return Ok(());
+        }
+        let rows = self.len;
+        if !self.staged {
+            // In place, not synced: see SplitSink::publish.
+            for c in &mut self.cols {
+                c.write_shape(rows, false)?;
+            }
+            write_attributes(&self.dir, &self.attrs, rows, false)?;
+        }
         self.committed = rows;
         self.dirty = false;
         Ok(())

@@ -156,6 +156,12 @@ impl SwmrSplit {
         Ok(v.first().copied().unwrap_or(0).max(0) as u64)
     }
 
+    /// Rows dataset `name` holds now, committed or not: a writer extends its datasets (and
+    /// syncs their rows) before it moves `committed_rows` over them.
+    pub fn extent(&self, name: &str) -> Result<u64> {
+        Ok(self.dataset(name)?.shape().first().copied().unwrap_or(0) as u64)
+    }
+
     fn dataset(&self, name: &str) -> Result<Dataset> {
         let ds = self
             .file

@@ -156,13 +156,32 @@ impl OutputSet {
 
     /// Make every appended row of every split durable and visible.
     pub fn commit(&mut self) -> anyhow::Result<()> {
+        self.on_every_sink(|sink| sink.commit())
+    }
+
+    /// [`SplitSink::prepare`] on every sink at once: every appended row and edit durable,
+    /// nothing new visible to readers yet.
+    pub fn prepare(&mut self) -> anyhow::Result<()> {
+        self.on_every_sink(|sink| sink.prepare())
+    }
+
+    /// [`SplitSink::publish`] on every sink: readers see the prepared rows.
+    pub fn publish(&mut self) -> anyhow::Result<()> {
+        self.on_every_sink(|sink| sink.publish())
+    }
+
+    /// `f` on every sink at once ([`concurrently`]); the first error wins.
+    fn on_every_sink(
+        &mut self,
+        f: impl Fn(&mut dyn SplitSink) -> anyhow::Result<()> + Sync,
+    ) -> anyhow::Result<()> {
         let mut all: Vec<&mut dyn SplitSink> = self
             .splits
             .iter_mut()
             .flatten()
             .map(|s| &mut **s as &mut dyn SplitSink)
             .collect();
-        concurrently(&mut all, |sink| sink.commit()).map(drop)
+        concurrently(&mut all, f).map(drop)
     }
 
     /// [`SplitSink::start_writeback`] on every sink.
