@@ -870,6 +870,23 @@ mod tests {
         );
     }
 
+    /// Exit 2 (configuration) only for what the user must mend; a failing disk is exit 1.
+    #[test]
+    fn io_errors_that_may_pass_are_not_configuration_errors() {
+        use std::io::Error;
+        for errno in [libc::EACCES, libc::EROFS, libc::ENOTDIR, libc::ENOENT] {
+            let e = path_error("paths.output", "x".into(), &Error::from_raw_os_error(errno));
+            assert!(matches!(e, PathsError::Config(_)), "errno {errno}: {e}");
+        }
+        for errno in [libc::EIO, libc::ENOSPC, libc::ENOTCONN, libc::ETIMEDOUT] {
+            let e = path_error("paths.output", "x".into(), &Error::from_raw_os_error(errno));
+            assert!(
+                matches!(e, PathsError::Unavailable(_)),
+                "errno {errno}: {e}"
+            );
+        }
+    }
+
     #[test]
     fn unknown_key_is_rejected_with_its_name() {
         let err = Settings::from_toml_str("[features]\nn_ffft = 512\n").unwrap_err();

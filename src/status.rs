@@ -109,8 +109,8 @@ pub fn runtime_snapshot_path(settings: &Settings) -> PathBuf {
                 .map(PathBuf::from)
         })
         .unwrap_or_else(|| PathBuf::from("/run/ailhd"));
-    let state = std::path::absolute(&settings.paths.state)
-        .unwrap_or_else(|_| settings.paths.state.clone());
+    let state =
+        std::path::absolute(&settings.paths.state).unwrap_or_else(|_| settings.paths.state.clone());
     let key = blake3::hash(state.as_os_str().as_encoded_bytes()).to_hex();
     dir.join(format!("status-{}.json", &key[..16]))
 }
@@ -204,7 +204,8 @@ pub fn collect(
 /// running service's snapshot.
 pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
     if let Some(holder) = WriterLock::holder(&settings.paths.state) {
-        let mut r = read_snapshot(settings).with_context(|| format!("{holder} holds the manifest"))?;
+        let mut r =
+            read_snapshot(settings).with_context(|| format!("{holder} holds the manifest"))?;
         r.writer = Some(holder);
         return Ok(r);
     }

@@ -439,3 +439,43 @@ fn append_throughput() {
         n * row_bytes as f64 / s / 1e6
     );
 }
+
+/// A service stopped between the manifest and the publish of a batch (src/engine/commit.rs):
+/// `prepare` made the batch's rows durable, no header covers them yet. Reopened with the count
+/// the manifest records (`keep`), they are published, bytes intact; reopened without one (the
+/// manifest never recorded them), they are cut, as rows no reader saw.
+#[test]
+fn prepared_rows_are_published_by_a_reopen_that_keeps_them_and_cut_otherwise() {
+    let tmp = tempfile::tempdir().unwrap();
+    let h = header(true);
+    for keep in [Some(7), None] {
+        let dir = tmp.path().join(format!("training-{keep:?}"));
+        let mut sink = NpySink::create(&dir, &h).unwrap();
+        append(&mut sink, &h, 4);
+        sink.commit().unwrap();
+        append(&mut sink, &h, 3);
+        sink.prepare().unwrap();
+        assert_eq!(sink.committed_rows(), 4);
+        // The process dies here: nothing is closed or cut.
+        std::mem::forget(sink);
+        assert_eq!(
+            NpySink::committed_rows_on_disk(&dir, &h).unwrap(),
+            4,
+            "prepare moves no header"
+        );
+        let sink = NpySink::open_append(&dir, &h, keep).unwrap();
+        let want = keep.unwrap_or(4);
+        assert_eq!((sink.len(), sink.committed_rows()), (want, want));
+        drop(sink);
+        assert_eq!(NpySink::committed_rows_on_disk(&dir, &h).unwrap(), want);
+        assert_eq!(file_len(&dir, "labels"), 128 + want * 2);
+        py(&[
+            "npy",
+            dir.to_str().unwrap(),
+            "--rows",
+            &want.to_string(),
+            "--waveform",
+            "1",
+        ]);
+    }
+}

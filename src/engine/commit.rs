@@ -86,9 +86,9 @@ impl Committer {
         // The same, between the manifest and the publish.
         fail::fail_point!("commit-before-publish", appends, |_| Ok(()));
         let t = Instant::now();
-        self.outputs.publish().map_err(|e| {
-            anyhow::Error::new(Unpublished).context(format!("{e:#}"))
-        })?;
+        self.outputs
+            .publish()
+            .map_err(|e| anyhow::Error::new(Unpublished).context(format!("{e:#}")))?;
         StageTimes::add(&self.times.write, t);
         self.committed.store(last.plan.gen, Ordering::Release);
         Ok(())

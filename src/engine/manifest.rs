@@ -431,8 +431,7 @@ impl Drop for Manifest {
                 ManuallyDrop::take(&mut self.db),
             )
         };
-        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(handles))).is_err()
-        {
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(handles))).is_err() {
             log::error!(
                 "manifest {}: sled failed while closing (a disk error): what it had made durable is kept, the rest is taken up again at the next open",
                 self.path

@@ -819,7 +819,8 @@ mod tests {
         let leak = s.paths.recordings.join("LEAK");
         std::fs::create_dir_all(&leak).unwrap();
         let shape = s.features.shape();
-        let mut engine = Engine::open_live_with(&s, Warm::Keep(Box::new(Gone(shape))), None).unwrap();
+        let mut engine =
+            Engine::open_live_with(&s, Warm::Keep(Box::new(Gone(shape))), None).unwrap();
         let mut error = None;
         for i in 0..50 {
             let name = crate::synth::file_name(i, 1);
