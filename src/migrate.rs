@@ -45,14 +45,27 @@ struct ContentV1 {
     valid: bool,
 }
 
-/// Upgrade a manifest in place, one version at a time. 1 -> 2: records become postcard with a
+/// Upgrade a manifest in place, one version at a time (2 -> 3 below). 1 -> 2: records become postcard with a
 /// version byte; a content record lists the paths holding its bytes (v1 kept a count), in byte
 /// order so the first is the owner; the row count of each split is recorded. Idempotent: a
 /// step interrupted before the version is written runs again from the v1 records it left.
 pub fn upgrade_manifest(m: &Manifest, from: u32) -> Result<(), ManifestError> {
-    if from != 1 {
-        return Ok(());
+    if from == 1 {
+        upgrade_manifest_1_to_2(m)?;
     }
+    // 2 -> 3: the summary `status` reads and the trees of quarantined paths and shared
+    // contents, derived from the records. Idempotent: derived again if interrupted.
+    m.derive_summary()?;
+    m.trees()
+        .2
+        .insert("schema_version", b"3")
+        .map_err(|e| m.err(e))?;
+    m.flush()?;
+    log::info!("manifest {}: upgraded from schema version 2 to 3", m.path());
+    Ok(())
+}
+
+fn upgrade_manifest_1_to_2(m: &Manifest) -> Result<(), ManifestError> {
     let (files, content, meta) = m.trees();
     let corrupt = |key: &[u8], e: serde_json::Error| ManifestError::Corrupt {
         path: m.path().to_string(),
@@ -198,7 +211,7 @@ mod tests {
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
         let m = Manifest::open(dir.path()).unwrap();
-        assert_eq!(m.get_meta("schema_version").unwrap().as_deref(), Some("2"));
+        assert_eq!(m.get_meta("schema_version").unwrap().as_deref(), Some("3"));
         let c = m.get_content(&h).unwrap().unwrap();
         assert_eq!(c.paths, vec!["LEAK/a.wav", "NORMAL/b.wav"]);
         assert_eq!(c.row, Some(RowRef { split: 1, row: 7 }));
@@ -206,6 +219,16 @@ mod tests {
         let bad = m.get_file("LEAK/bad.wav").unwrap().unwrap();
         assert_eq!(bad.quarantine.unwrap().text, "not a WAV file");
         assert_eq!(m.get_file("LEAK/a.wav").unwrap().unwrap().holds(), Some(&h));
+        // 2 -> 3: the summary and the derived trees.
+        let s = m.summary();
+        assert_eq!((s.committed, s.quarantined, s.valid), (2, 1, [0, 1, 0]));
+        assert_eq!(s.per_label[1].get(&2), Some(&1));
+        let q: Vec<_> = m.quarantined().map(Result::unwrap).collect();
+        assert_eq!(
+            q,
+            vec![("LEAK/bad.wav".to_string(), "not a WAV file".to_string())]
+        );
+        assert_eq!(m.shared_contents().count(), 1);
     }
 
     #[test]

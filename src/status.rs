@@ -141,32 +141,29 @@ fn read_snapshot(settings: &Settings) -> anyhow::Result<StatusReport> {
     best.ok_or_else(|| first_error.expect("two paths tried"))
 }
 
-/// Count everything in the manifest.
+/// The report from the manifest's [`Summary`](crate::engine::manifest::Summary) and its derived
+/// trees: what it costs grows with the quarantined files and the contents several paths hold,
+/// not with the dataset (the service builds one every few seconds while recordings arrive).
 pub fn collect(
     manifest: &Manifest,
     labels: &[String],
     settings: &Settings,
 ) -> anyhow::Result<StatusReport> {
     let mut r = StatusReport::default();
-    for name in SPLITS {
-        r.splits.insert(name.to_string(), SplitRows::default());
-    }
-    for item in manifest.files() {
-        let (path, rec) = item?;
-        let state = if rec.quarantine.is_some() {
-            "quarantined"
-        } else {
-            "committed"
-        };
-        *r.files.entry(state.to_string()).or_default() += 1;
-        if let Some(q) = rec.quarantine {
-            r.quarantined.push(Quarantined {
-                path,
-                reason: q.text,
-            });
+    let summary = manifest.summary();
+    for (state, n) in [
+        ("committed", summary.committed),
+        ("quarantined", summary.quarantined),
+    ] {
+        if n > 0 {
+            r.files.insert(state.to_string(), n);
         }
     }
-    for item in manifest.contents() {
+    for item in manifest.quarantined() {
+        let (path, reason) = item?;
+        r.quarantined.push(Quarantined { path, reason });
+    }
+    for item in manifest.shared_contents() {
         let (hash, c) = item?;
         let folders: Vec<(String, String)> = c
             .paths
@@ -182,19 +179,26 @@ pub fn collect(
                 paths: folders,
             });
         }
-        let Some(at) = c.row else { continue };
-        let split = r.splits.get_mut(SPLITS[at.split as usize % 3]).unwrap();
-        if c.valid {
-            split.valid += 1;
-            let name = labels
-                .get(c.label as usize)
-                .cloned()
-                .unwrap_or_else(|| format!("#{}", c.label));
-            *split.per_label.entry(name).or_default() += 1;
-        }
     }
-    for (name, rows) in SPLITS.iter().zip(manifest.rows()?) {
-        r.splits.get_mut(*name).unwrap().rows = rows;
+    for (split, (name, rows)) in SPLITS.iter().zip(manifest.rows()?).enumerate() {
+        let per_label = summary.per_label[split]
+            .iter()
+            .map(|(&label, &n)| {
+                let name = labels
+                    .get(label as usize)
+                    .cloned()
+                    .unwrap_or_else(|| format!("#{label}"));
+                (name, n)
+            })
+            .collect();
+        r.splits.insert(
+            name.to_string(),
+            SplitRows {
+                rows,
+                valid: summary.valid[split],
+                per_label,
+            },
+        );
     }
     r.feature_fingerprint = manifest.get_meta("feature_fingerprint")?;
     Ok(r)

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Version of the manifest layout. The descriptions and upgrade steps live in `migrations/`.
-pub const MANIFEST_SCHEMA_VERSION: u32 = 2;
+pub const MANIFEST_SCHEMA_VERSION: u32 = 3;
 
 /// First byte of every stored record: the layout it was written with.
 const RECORD_VERSION: u8 = 2;
@@ -104,16 +104,72 @@ pub struct Manifest {
     files: ManuallyDrop<sled::Tree>,
     content: ManuallyDrop<sled::Tree>,
     meta: ManuallyDrop<sled::Tree>,
+    /// Quarantined paths and why (path -> reason text): what `status` lists.
+    quarantine: ManuallyDrop<sled::Tree>,
+    /// Content hashes held by two paths or more (hash -> nothing): where `status` looks for
+    /// label conflicts.
+    shared: ManuallyDrop<sled::Tree>,
+    /// The counts `status` shows, kept by every [`Manifest::apply`] (stored as `meta/summary`
+    /// with each batch), so that nothing reads every record while recordings wait.
+    summary: std::sync::Mutex<Summary>,
     /// sled returned an I/O error: this handle may hold changes it could not write, and sled
     /// refuses further work once its log failed. The owner reopens the manifest from the disk.
     failed: AtomicBool,
 }
 
+/// What `status` counts, kept up to date by every [`Manifest::apply`] instead of read from every
+/// record: files holding a row and quarantined ones, and per split the valid rows and the
+/// valid rows per label id.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Summary {
+    pub committed: u64,
+    pub quarantined: u64,
+    pub valid: [u64; 3],
+    pub per_label: [std::collections::BTreeMap<i16, u64>; 3],
+}
+
+impl Summary {
+    fn file(&mut self, rec: &FileRecord, sign: i64) {
+        let n = if rec.quarantine.is_some() {
+            &mut self.quarantined
+        } else {
+            &mut self.committed
+        };
+        *n = n.wrapping_add_signed(sign);
+    }
+
+    fn content(&mut self, rec: &ContentRecord, sign: i64) {
+        let Some(at) = rec.row.filter(|_| rec.valid) else {
+            return;
+        };
+        let split = at.split as usize % 3;
+        self.valid[split] = self.valid[split].wrapping_add_signed(sign);
+        let per = self.per_label[split].entry(rec.label).or_default();
+        *per = per.wrapping_add_signed(sign);
+        if *per == 0 {
+            self.per_label[split].remove(&rec.label);
+        }
+    }
+
+    /// Count every record (a manifest without a summary, and the tests' oracle).
+    pub fn count(m: &Manifest) -> Result<Summary, ManifestError> {
+        let mut s = Summary::default();
+        for f in m.files() {
+            s.file(&f?.1, 1);
+        }
+        for c in m.contents() {
+            s.content(&c?.1, 1);
+        }
+        Ok(s)
+    }
+}
+
 /// A set of changes applied atomically per tree (sled batches).
 #[derive(Default)]
 pub struct ManifestBatch {
-    files: sled::Batch,
-    content: sled::Batch,
+    files: Vec<(String, Option<FileRecord>)>,
+    content: Vec<(Hash, Option<ContentRecord>)>,
+    rows: Vec<(usize, u64)>,
     meta: sled::Batch,
     pub len: usize,
 }
@@ -135,28 +191,25 @@ fn decode<T: for<'de> Deserialize<'de>>(v: &[u8]) -> Result<T, String> {
 
 impl ManifestBatch {
     pub fn put_file(&mut self, rel: &str, rec: &FileRecord) {
-        self.files.insert(rel.as_bytes(), encode(rec));
+        self.files.push((rel.to_string(), Some(rec.clone())));
         self.len += 1;
     }
     pub fn remove_file(&mut self, rel: &str) {
-        self.files.remove(rel.as_bytes());
+        self.files.push((rel.to_string(), None));
         self.len += 1;
     }
     pub fn put_content(&mut self, hash: &Hash, rec: &ContentRecord) {
-        self.content.insert(&hash[..], encode(rec));
+        self.content.push((*hash, Some(rec.clone())));
         self.len += 1;
     }
     pub fn remove_content(&mut self, hash: &Hash) {
-        self.content.remove(&hash[..]);
+        self.content.push((*hash, None));
         self.len += 1;
     }
     /// Rows of `split` once this batch is applied. Kept in the content tree (short keys never
     /// clash with 32-byte hashes) so it lands atomically with the content records.
     pub fn put_rows(&mut self, split: usize, rows: u64) {
-        self.content.insert(
-            format!("rows_{split}").as_bytes(),
-            rows.to_string().as_bytes(),
-        );
+        self.rows.push((split, rows));
         self.len += 1;
     }
     pub fn put_meta(&mut self, key: &str, value: &str) {
@@ -214,12 +267,17 @@ impl Manifest {
         let files = db.open_tree("files").map_err(db_err)?;
         let content = db.open_tree("content").map_err(db_err)?;
         let meta = db.open_tree("meta").map_err(db_err)?;
+        let quarantine = db.open_tree("quarantine").map_err(db_err)?;
+        let shared = db.open_tree("shared").map_err(db_err)?;
         let m = Manifest {
             path: path.clone(),
             db: ManuallyDrop::new(db),
             files: ManuallyDrop::new(files),
             content: ManuallyDrop::new(content),
             meta: ManuallyDrop::new(meta),
+            quarantine: ManuallyDrop::new(quarantine),
+            shared: ManuallyDrop::new(shared),
+            summary: Default::default(),
             failed: AtomicBool::new(false),
         };
         match m.meta.get("schema_version").map_err(db_err)? {
@@ -249,7 +307,76 @@ impl Manifest {
                 }
             }
         }
+        if let Some(v) = m.meta.get("summary").map_err(db_err)? {
+            let summary = decode(&v).map_err(|e| m.corrupt("meta/summary".into(), e))?;
+            *m.summary.lock().unwrap_or_else(|p| p.into_inner()) = summary;
+        }
         Ok(m)
+    }
+
+    /// The counts `status` shows (see [`Summary`]).
+    pub fn summary(&self) -> Summary {
+        self.summary
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Quarantined paths with their reasons, in path order.
+    pub fn quarantined(
+        &self,
+    ) -> impl Iterator<Item = Result<(String, String), ManifestError>> + '_ {
+        self.quarantine.iter().map(move |kv| {
+            let (k, v) = kv.map_err(|e| self.err(e))?;
+            Ok((
+                String::from_utf8_lossy(&k).to_string(),
+                String::from_utf8_lossy(&v).to_string(),
+            ))
+        })
+    }
+
+    /// Content records whose bytes two paths or more hold.
+    pub fn shared_contents(
+        &self,
+    ) -> impl Iterator<Item = Result<(Hash, ContentRecord), ManifestError>> + '_ {
+        self.shared.iter().filter_map(move |kv| {
+            let hash: Hash = match kv {
+                Ok((k, _)) => k.as_ref().try_into().ok()?,
+                Err(e) => return Some(Err(self.err(e))),
+            };
+            self.get_content(&hash)
+                .transpose()
+                .map(|r| r.map(|c| (hash, c)))
+        })
+    }
+
+    /// The derived trees and the summary, made from every record: the upgrade from version 2,
+    /// which had neither.
+    pub(crate) fn derive_summary(&self) -> Result<(), ManifestError> {
+        let mut quarantine = sled::Batch::default();
+        for f in self.files() {
+            let (path, rec) = f?;
+            if let Some(q) = rec.quarantine {
+                quarantine.insert(path.as_bytes(), q.text.as_bytes());
+            }
+        }
+        let mut shared = sled::Batch::default();
+        for c in self.contents() {
+            let (hash, rec) = c?;
+            if rec.paths.len() > 1 {
+                shared.insert(&hash[..], &[][..]);
+            }
+        }
+        let summary = Summary::count(self)?;
+        self.quarantine
+            .apply_batch(quarantine)
+            .map_err(|e| self.err(e))?;
+        self.shared.apply_batch(shared).map_err(|e| self.err(e))?;
+        self.meta
+            .insert("summary", encode(&summary))
+            .map_err(|e| self.err(e))?;
+        *self.summary.lock().unwrap_or_else(|p| p.into_inner()) = summary;
+        Ok(())
     }
 
     pub fn path(&self) -> &str {
@@ -390,14 +517,83 @@ impl Manifest {
         })
     }
 
+    /// Apply `batch`, keeping the [`Summary`] and the trees derived from the records (the
+    /// quarantined paths, the shared contents) in step: each changed record's old value is read
+    /// (a point read per change; what the same batch changed before counts as old).
     pub fn apply(&self, batch: ManifestBatch) -> Result<(), ManifestError> {
-        self.content
-            .apply_batch(batch.content)
-            .map_err(|e| self.err(e))?;
-        self.files
-            .apply_batch(batch.files)
-            .map_err(|e| self.err(e))?;
-        self.meta.apply_batch(batch.meta).map_err(|e| self.err(e))?;
+        let mut guard = self.summary.lock().unwrap_or_else(|p| p.into_inner());
+        let mut summary = guard.clone();
+        let (mut files, mut quarantine) = (sled::Batch::default(), sled::Batch::default());
+        let mut seen_files: std::collections::HashMap<&str, Option<&FileRecord>> =
+            Default::default();
+        for (rel, new) in &batch.files {
+            let old = match seen_files.get(rel.as_str()) {
+                Some(old) => old.cloned(),
+                None => self.get_file(rel)?,
+            };
+            if let Some(old) = &old {
+                summary.file(old, -1);
+            }
+            match new {
+                Some(rec) => {
+                    summary.file(rec, 1);
+                    files.insert(rel.as_bytes(), encode(rec));
+                    match &rec.quarantine {
+                        Some(q) => quarantine.insert(rel.as_bytes(), q.text.as_bytes()),
+                        None => quarantine.remove(rel.as_bytes()),
+                    }
+                }
+                None => {
+                    files.remove(rel.as_bytes());
+                    quarantine.remove(rel.as_bytes());
+                }
+            }
+            seen_files.insert(rel, new.as_ref());
+        }
+        let (mut content, mut shared) = (sled::Batch::default(), sled::Batch::default());
+        let mut seen: std::collections::HashMap<&Hash, Option<&ContentRecord>> = Default::default();
+        for (hash, new) in &batch.content {
+            let old = match seen.get(hash) {
+                Some(old) => old.cloned(),
+                None => self.get_content(hash)?,
+            };
+            if let Some(old) = &old {
+                summary.content(old, -1);
+            }
+            match new {
+                Some(rec) => {
+                    summary.content(rec, 1);
+                    content.insert(&hash[..], encode(rec));
+                    if rec.paths.len() > 1 {
+                        shared.insert(&hash[..], &[][..]);
+                    } else {
+                        shared.remove(&hash[..]);
+                    }
+                }
+                None => {
+                    content.remove(&hash[..]);
+                    shared.remove(&hash[..]);
+                }
+            }
+            seen.insert(hash, new.as_ref());
+        }
+        for (split, rows) in &batch.rows {
+            content.insert(
+                format!("rows_{split}").as_bytes(),
+                rows.to_string().as_bytes(),
+            );
+        }
+        let mut meta = batch.meta;
+        if summary != *guard {
+            meta.insert("summary", encode(&summary));
+        }
+        let db = |r: Result<(), sled::Error>| r.map_err(|e| self.err(e));
+        db(self.content.apply_batch(content))?;
+        db(self.shared.apply_batch(shared))?;
+        db(self.files.apply_batch(files))?;
+        db(self.quarantine.apply_batch(quarantine))?;
+        db(self.meta.apply_batch(meta))?;
+        *guard = summary;
         Ok(())
     }
 
@@ -425,6 +621,8 @@ impl Drop for Manifest {
         // SAFETY: each handle is taken once, here, and the struct is never used again.
         let handles = unsafe {
             (
+                ManuallyDrop::take(&mut self.shared),
+                ManuallyDrop::take(&mut self.quarantine),
                 ManuallyDrop::take(&mut self.meta),
                 ManuallyDrop::take(&mut self.content),
                 ManuallyDrop::take(&mut self.files),

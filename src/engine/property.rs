@@ -149,9 +149,14 @@ proptest! {
     #[test]
     fn the_service_ends_with_the_rows_rebuild_makes_of_the_final_tree((history, sizes) in history()) {
         let dir = tempfile::tempdir().unwrap();
+        // The last content is not a WAV file: the paths holding it are quarantined.
         let contents: Vec<Vec<u8>> = (0..CONTENTS)
-            .map(|c| {
-                crate::synth::wav_pcm16(&crate::synth::clip("LEAK", 7 + c as u64, 4096, 10.0), 4096)
+            .map(|c| match c {
+                c if c + 1 == CONTENTS => b"not a recording".to_vec(),
+                c => crate::synth::wav_pcm16(
+                    &crate::synth::clip("LEAK", 7 + c as u64, 4096, 10.0),
+                    4096,
+                ),
             })
             .collect();
         service(dir.path(), &contents, &history, &sizes);
@@ -172,5 +177,37 @@ proptest! {
             prop_assert_eq!(&got.3, &want.3, "recording_id of {}", want.0);
             prop_assert!(got.4 == want.4, "features of {}", want.0);
         }
+        for name in ["live", "bulk"] {
+            summary_agrees_with_a_full_count(&settings(dir.path(), name));
+        }
     }
+}
+
+/// The summary `status` reads, kept by every apply, equals a count of every record, and the
+/// derived trees hold exactly the quarantined paths and the contents several paths hold.
+fn summary_agrees_with_a_full_count(s: &Settings) {
+    let m = crate::engine::manifest::Manifest::open(&crate::staging::manifest_dir(s)).unwrap();
+    let full = crate::engine::manifest::Summary::count(&m).unwrap();
+    assert_eq!(m.summary(), full, "{}", s.paths.state.display());
+    let quarantined: Vec<(String, String)> = m
+        .files()
+        .map(Result::unwrap)
+        .filter_map(|(p, f)| f.quarantine.map(|q| (p, q.text)))
+        .collect();
+    assert_eq!(
+        m.quarantined().map(Result::unwrap).collect::<Vec<_>>(),
+        quarantined
+    );
+    let shared: Vec<_> = m
+        .contents()
+        .map(Result::unwrap)
+        .filter(|(_, c)| c.paths.len() > 1)
+        .map(|(h, _)| h)
+        .collect();
+    assert_eq!(
+        m.shared_contents()
+            .map(|r| r.unwrap().0)
+            .collect::<Vec<_>>(),
+        shared
+    );
 }

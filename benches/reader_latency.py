@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Service latency as a trainer's h5py SWMR reader sees it: from a recording renamed into the
+tree to its row below `committed_rows` (not as the service counts it).
+
+Runs each given `ailhd` binary in turn on a fresh tree (alternating, `--rounds` times), feeds
+`--rate` recordings/s for `--seconds`, while one h5py SWMR reader polls the three split files
+every millisecond, and prints p50 / p90 / p99 / max per run and the medians per binary.
+
+usage: python3 benches/reader_latency.py BIN [BIN ...] [--rate 100] [--seconds 20] [--rounds 2]
+"""
+import argparse
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import h5py
+import numpy as np
+
+NAMES = ["TRAINING_DATASET.H5", "VALIDATION_DATASET.H5", "TESTING_DATASET.H5"]
+
+
+def clip(seed):
+    """A 10 s, 4096 Hz, 16-bit mono WAV of noise, distinct per seed."""
+    data = np.random.default_rng(seed).integers(-3000, 3000, 40960, dtype=np.int16).tobytes()
+    head = b"RIFF" + (36 + len(data)).to_bytes(4, "little") + b"WAVEfmt "
+    head += (16).to_bytes(4, "little") + (1).to_bytes(2, "little") + (1).to_bytes(2, "little")
+    head += (4096).to_bytes(4, "little") + (8192).to_bytes(4, "little")
+    head += (2).to_bytes(2, "little") + (16).to_bytes(2, "little")
+    return head + b"data" + len(data).to_bytes(4, "little") + data
+
+
+def cpu_model():
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def one_run(binary, rate, seconds, seed):
+    with tempfile.TemporaryDirectory() as d:
+        rec, out, state = (os.path.join(d, x) for x in ("rec", "out", "state"))
+        for label in ("LEAK", "NORMAL"):
+            os.makedirs(os.path.join(rec, label))
+        os.makedirs(os.path.join(d, "incoming"))
+        cfg = os.path.join(d, "ailhd.toml")
+        with open(cfg, "w") as f:
+            f.write(f'[paths]\nrecordings = "{rec}"\noutput = "{out}"\nstate = "{state}"\n')
+            f.write('[ingest]\ndevice = "cpu"\nrescan_interval_s = 0\n')
+        env = dict(os.environ, RUNTIME_DIRECTORY=os.path.join(d, "run"))
+        log = open(os.path.join(d, "run.log"), "w")
+        svc = subprocess.Popen([binary, "--config", cfg, "run"], stdout=log, stderr=log, env=env)
+        try:
+            deadline = time.time() + 30
+            while not all(os.path.exists(os.path.join(out, n)) for n in NAMES):
+                assert time.time() < deadline, "the service did not create its outputs"
+                time.sleep(0.05)
+            time.sleep(0.5)
+            files = [h5py.File(os.path.join(out, n), "r", libver="latest", swmr=True) for n in NAMES]
+            n = int(rate * seconds)
+            renamed, seen = {}, {}
+            bodies = [clip(seed * 1_000_000 + i) for i in range(n)]
+
+            def feed():
+                t0 = time.monotonic()
+                for i in range(n):
+                    label = ("LEAK", "NORMAL")[i % 2]
+                    name = f"S{i % 50:03d}~R{i}~20250118120530~100.wav"
+                    tmp = os.path.join(d, "incoming", name)
+                    with open(tmp, "wb") as f:
+                        f.write(bodies[i])
+                    rel = f"{label}/{name}"
+                    renamed[rel] = time.monotonic()
+                    os.rename(tmp, os.path.join(rec, rel))
+                    time.sleep(max(0.0, t0 + (i + 1) / rate - time.monotonic()))
+
+            feeder = threading.Thread(target=feed)
+            feeder.start()
+            done = [0, 0, 0]
+            end = None
+            while len(seen) < n:
+                now = time.monotonic()
+                if not feeder.is_alive():
+                    end = end or now + 30
+                    if now > end:
+                        break
+                for k, f in enumerate(files):
+                    f["committed_rows"].refresh()
+                    c = int(f["committed_rows"][0])
+                    if c > done[k]:
+                        f["source_path"].refresh()
+                        for p in f["source_path"][done[k]:c]:
+                            seen.setdefault(p.decode().rstrip("\0"), now)
+                        done[k] = c
+                time.sleep(0.001)
+            feeder.join()
+            for f in files:
+                f.close()
+        finally:
+            svc.send_signal(signal.SIGTERM)
+            svc.wait(timeout=60)
+        lat = sorted((seen[p] - t) * 1e3 for p, t in renamed.items() if p in seen)
+        missing = len(renamed) - len(lat)
+        q = lambda x: lat[min(len(lat) - 1, int(x * len(lat)))]
+        return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": lat[-1], "missing": missing}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bins", nargs="+")
+    ap.add_argument("--rate", type=float, default=100)
+    ap.add_argument("--seconds", type=float, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    print(f"# {cpu_model()}, {os.cpu_count()} cores; {a.rate:g} recordings/s for {a.seconds:g} s")
+    results = {b: [] for b in a.bins}
+    for r in range(a.rounds):
+        for b in a.bins:
+            res = one_run(b, a.rate, a.seconds, seed=r + 1)
+            results[b].append(res)
+            print(f"{b}: round {r + 1}: p50 {res['p50']:.1f} ms, p90 {res['p90']:.1f} ms, "
+                  f"p99 {res['p99']:.1f} ms, max {res['max']:.1f} ms, never seen {res['missing']}",
+                  flush=True)
+    for b, rs in results.items():
+        med = {k: statistics.median(x[k] for x in rs) for k in ("p50", "p90", "p99", "max")}
+        print(f"{b}: median of {len(rs)}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in med.items()))
+    if any(x["missing"] for rs in results.values() for x in rs):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
