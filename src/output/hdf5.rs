@@ -231,6 +231,10 @@ impl Hdf5Sink {
             .with_context(|| format!("renaming {} into place", partial.display()))?;
         if sync {
             sync_parent_dir(path)?;
+            // Open again under its real name: HDF5 names a file in its errors by the name it
+            // was opened with, and the service's errors must name the file that exists.
+            drop(sink);
+            return Self::open_append(path, header, swmr, None);
         }
         if swmr {
             sink.start_swmr()?;
