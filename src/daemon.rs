@@ -433,6 +433,11 @@ struct Worker {
     kept_manifest: Option<Arc<crate::engine::manifest::Manifest>>,
     /// The last status snapshot could not be written to the state folder (warned once).
     snapshot_failing: bool,
+    /// The comparison of the tree with the manifest, running beside the ingest on a thread of
+    /// its own (start-up, periodic rescans): new recordings are taken meanwhile.
+    reconciling: Option<std::thread::JoinHandle<()>>,
+    /// A rescan was asked for while one ran: run another when it ends.
+    rescan_again: bool,
     fault: Option<Fault>,
     /// Failures since the last batch committed: the backoff grows with them.
     failures: u32,
@@ -515,7 +520,9 @@ impl Worker {
             retry_at: Instant::now() + wait,
         });
         // Roll back: what is in flight is dropped (its sinks cut to their committed rows, as
-        // far as the disk lets them; the next open does the rest).
+        // far as the disk lets them; the next open does the rest). The recovery rescans.
+        self.end_reconcile();
+        self.rescan_again = false;
         if let Some(engine) = self.engine.take() {
             let (warm, manifest) = engine.abandon();
             self.warm = warm;
@@ -548,9 +555,59 @@ impl Worker {
         }
     }
 
+    /// Compare the tree with the manifest on a thread of its own, at a lower CPU priority,
+    /// while recordings keep arriving; what it finds reaches the event loop, which hands it on
+    /// by the same rules as the watcher's events. One at a time: asked again meanwhile, it runs
+    /// again once this one ends.
+    fn start_reconcile(&mut self) {
+        if self.reconciling.as_ref().is_some_and(|h| !h.is_finished()) {
+            self.rescan_again = true;
+            return;
+        }
+        self.rescan_again = false;
+        self.end_reconcile();
+        let manifest = match self.open() {
+            Ok(engine) => engine.manifest_handle(),
+            Err(e) => return self.fail(e),
+        };
+        let settings = self.settings.clone();
+        let report = self.report.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ailhd-rescan".into())
+            .spawn(move || {
+                // SAFETY: plain system calls about the calling thread.
+                unsafe {
+                    let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                    libc::setpriority(libc::PRIO_PROCESS, tid, 10);
+                }
+                match crate::engine::reconcile(&settings, &manifest) {
+                    Ok(r) => {
+                        let _ = report.send(Report::Reconciled(r));
+                    }
+                    Err(e) => {
+                        log::error!("rescan failed: {e:#}");
+                        crate::metrics::error("rescan");
+                    }
+                }
+            });
+        match spawned {
+            Ok(h) => self.reconciling = Some(h),
+            Err(e) => log::error!("rescan failed: cannot start its thread: {e}"),
+        }
+    }
+
+    /// Wait for a running rescan (before the manifest is closed).
+    fn end_reconcile(&mut self) {
+        if let Some(h) = self.reconciling.take() {
+            let _ = h.join();
+        }
+    }
+
     /// Idle long enough: commit, close the files cleanly (plain readers open them), keep the
     /// featuriser warm for the next file.
     fn close_idle(&mut self) {
+        // The manifest is closed with the engine: no rescan may hold it.
+        self.end_reconcile();
         self.snapshot();
         let Some(engine) = self.engine.take() else {
             return;
@@ -728,6 +785,8 @@ fn worker_loop(
         warm: None,
         kept_manifest: None,
         snapshot_failing: false,
+        reconciling: None,
+        rescan_again: false,
         fault: None,
         failures: 0,
         dropped: 0,
@@ -754,6 +813,12 @@ fn worker_loop(
     loop {
         w.shared.alive_ms.store(now_ms(), Ordering::Relaxed);
         w.take_completed();
+        if w.rescan_again
+            && w.fault.is_none()
+            && w.reconciling.as_ref().is_none_or(|h| h.is_finished())
+        {
+            w.start_reconcile();
+        }
         if w.fault
             .as_ref()
             .is_some_and(|f| Instant::now() >= f.retry_at)
@@ -863,20 +928,7 @@ fn worker_loop(
                 if w.fault.is_some() {
                     continue; // the recovery rescans
                 }
-                // The comparison reads the manifest: let what is in flight land first.
-                if !w.wait_all() {
-                    continue;
-                }
-                match w.open().and_then(|engine| engine.reconcile()) {
-                    Ok(r) => {
-                        let _ = w.report.send(Report::Reconciled(r));
-                    }
-                    Err(e) => {
-                        log::error!("rescan failed: {e:#}");
-                        crate::metrics::error("rescan");
-                        w.recent.push_error(format!("rescan: {e:#}"));
-                    }
-                }
+                w.start_reconcile();
             }
             Work::Reload(new) => {
                 if let Some(engine) = w.engine.as_mut() {
@@ -893,6 +945,7 @@ fn worker_loop(
             w.snapshot_cost = t.elapsed();
         }
     }
+    w.end_reconcile();
     w.wait_all();
     w.snapshot();
     if let Some(f) = &w.fault {

@@ -546,6 +546,38 @@ fn hdf5_extents(world: &World) -> Vec<u64> {
     .collect()
 }
 
+/// The comparison of the tree with the manifest at start-up runs beside the ingest: a recording
+/// that arrives while it runs is committed at once, and what the comparison finds follows.
+#[test]
+fn a_recording_arriving_during_the_start_up_rescan_is_ingested_at_once() {
+    let world = World::new(FAST);
+    let rec = world.rec();
+    // In the tree before the start: only the start-up rescan finds it.
+    write_via_rename(
+        &rec,
+        "LEAK/S001~R1~20250118120530~100.wav",
+        &clip_wav("LEAK", 900),
+    );
+    // The rescan sleeps 8 s once it starts (a fail point of test builds).
+    let svc = Service::start_failing(&world, "reconcile-listed=1*sleep(8000)");
+    write_via_rename(
+        &rec,
+        "NORMAL/S002~R2~20250118120530~100.wav",
+        &clip_wav("NORMAL", 901),
+    );
+    let snap = svc.wait("the new recording committed", |s| committed(s) >= 1);
+    assert_eq!(
+        committed(&snap),
+        1,
+        "the new recording waited for the rescan: {snap}"
+    );
+    svc.wait("the rescan's recording committed too", |s| {
+        committed(s) == 2
+    });
+    svc.terminate();
+    compare_with_rebuild(&world);
+}
+
 #[test]
 fn an_unreadable_manifest_is_set_aside_and_rebuilt_from_the_outputs() {
     let world = World::new(FAST);

@@ -72,6 +72,7 @@ impl Committer {
         // Test builds (feature `failpoints`): a sleep here holds the service between the
         // outputs' prepare and the manifest (tests/daemon.rs kills it there), in a group that
         // appended rows.
+        #[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
         let appends = group
             .iter()
             .any(|f| f.plan.new_rows.iter().any(|r| !r.is_empty()));

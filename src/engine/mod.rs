@@ -729,11 +729,28 @@ pub struct Reconciliation {
 impl Engine {
     /// Compare the tree with the manifest (start-up, lost events, the periodic safety rescan).
     pub fn reconcile(&self) -> anyhow::Result<Reconciliation> {
-        let root = &self.settings.paths.recordings;
+        reconcile(&self.settings, &self.manifest)
+    }
+
+    /// The manifest, for work beside the engine that only reads it ([`reconcile`]).
+    pub fn manifest_handle(&self) -> Arc<Manifest> {
+        self.manifest.clone()
+    }
+}
+
+/// Compare the tree with the manifest. Safe beside commits (the service runs it on a thread of
+/// its own while recordings keep arriving): a file a commit recorded after the tree was listed
+/// is not reported removed (it is checked for again), and one reported changed that a commit
+/// recorded meanwhile is found unchanged when it is loaded.
+pub fn reconcile(settings: &Settings, manifest: &Manifest) -> anyhow::Result<Reconciliation> {
+    {
+        let root = &settings.paths.recordings;
         let mut r = Reconciliation::default();
         let mut present = std::collections::HashSet::new();
+        // Test builds: a sleep here holds a rescan (tests/daemon.rs ingests beside it).
+        fail::fail_point!("reconcile-listed", |_| Ok(Reconciliation::default()));
         for found in crate::source::scan(root)? {
-            let rec = self.manifest.get_file(found.rel())?;
+            let rec = manifest.get_file(found.rel())?;
             match found {
                 crate::source::Found::Recording(rel) => {
                     let Ok(meta) = std::fs::symlink_metadata(root.join(&rel)) else {
@@ -763,14 +780,14 @@ impl Engine {
                 }
             }
         }
-        for item in self.manifest.files() {
+        for item in manifest.files() {
             let (rel, _) = item?;
-            if !present.contains(&rel) {
+            if !present.contains(&rel) && std::fs::symlink_metadata(root.join(&rel)).is_err() {
                 r.removed.push(rel);
             }
         }
         // A row waiting to be made anew (its owner was to be read again when we stopped).
-        for item in self.manifest.contents() {
+        for item in manifest.contents() {
             let (_, c) = item?;
             if let (None, Some(owner)) = (c.row, c.owner()) {
                 if present.contains(owner) && !r.changed.iter().any(|p| p == owner) {
