@@ -821,14 +821,19 @@ class _NpyFiles:
             self.fd = None
 
     def _committed(self):
-        attrs = _read_json(os.path.join(self.path, "attributes.json"))
+        """(committed rows, attributes.json) of these files; (rows, None) when they were replaced
+        (a rebuild): their last header is their committed count, and it no longer changes."""
         rows = _npy_header(self.mel_path, self.fd)[1]
-        return min(int(attrs["committed_rows"]), rows), attrs
+        if self.same_path():
+            attrs = _read_json(os.path.join(self.path, "attributes.json"))
+            if self.same_path():  # (the folder is swapped whole: attrs are these files')
+                return min(int(attrs["committed_rows"]), rows), attrs
+        return rows, None
 
     def catch_up(self):
         """The committed count now, and the settled one (what every output has committed)."""
         committed, attrs = self._committed()
-        other = self.other.committed()
+        other = None if attrs is None else self.other.committed()
         self.known_committed = committed
         self.settled = committed if other is None else min(committed, other)
         return committed, attrs
@@ -839,6 +844,8 @@ class _NpyFiles:
         if self.dtype != np.float16:
             raise ValueError(f"{self.mel_path}: dtype {self.dtype}, expected float16")
         committed, attrs = self._committed()
+        if attrs is None:
+            raise OutputsReplaced(f"{self.path}: replaced while being read")
         self.known_committed = committed
         valid, _ = _npy_read_rows(os.path.join(self.path, "valid.npy"), 0, committed)
         labels, _ = _npy_read_rows(os.path.join(self.path, "labels.npy"), 0, committed)
@@ -964,7 +971,9 @@ class _Hdf5Files:
             self.chunk_addr = self.chunk_addr[:keep]
 
     def _settle(self):
-        other = _npy_committed(self.npy_path) if os.path.isdir(self.npy_path) else None
+        # (Files a rebuild replaced are never cut: all their rows are settled.)
+        other = _npy_committed(self.npy_path) if os.path.isdir(self.npy_path) \
+            and self.same_path() else None
         self.settled = self.known_committed if other is None else min(self.known_committed, other)
 
     def columns(self):
