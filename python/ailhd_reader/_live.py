@@ -1075,9 +1075,11 @@ class _Hdf5Files:
         and checked: a chunk is guessed to follow the previous one in the file (as HDF5 allocates
         them while ailhd appends), and the guess is kept when the bytes there equal the chunk's
         committed rows as HDF5 reads them (`read_direct_chunk`, which finds a chunk directly);
-        otherwise (and for chunks whose rows are all one byte value) HDF5 is asked. Rows
-        committed later into a chunk already known are checked the same way. When many chunks
-        are new (the first refresh), HDF5 is asked for all of them in one pass."""
+        otherwise they are looked for in the next MiB of the file (HDF5 puts metadata between
+        chunks now and then), and only then (and for chunks whose rows are all one byte value)
+        HDF5 is asked. Rows committed later into a chunk already known are checked the same
+        way. When many chunks are new (the first refresh), HDF5 is asked for all of them in one
+        pass."""
         cr, rb = self.chunk_rows, self.rb
         cb = cr * rb
         need = -(-committed // cr)
@@ -1098,17 +1100,35 @@ class _Hdf5Files:
         base = have - 1
         verified = self.verified_rows
         k = verified // cr
+        # Reused buffers (fresh 60 KiB buffers for each chunk cost as much as the reads), compared
+        # as bytearrays (memcmp; memoryviews compare byte by byte, 100x slower).
+        chunk, there = bytearray(cb), bytearray(cb)
         while k < need:
             lo = verified - k * cr
             hi = min(committed, (k + 1) * cr) - k * cr
-            fm, raw = mel.id.read_direct_chunk((k * cr,) + tail)
+            try:
+                fm, raw = mel.id.read_direct_chunk((k * cr,) + tail, out=chunk)
+            except TypeError:  # an h5py without out=
+                fm, raw = mel.id.read_direct_chunk((k * cr,) + tail)
+                chunk[:] = raw
             if fm != 0 or len(raw) != cb:
                 return f"chunk {k} is not stored raw"
-            part = raw[lo * rb: hi * rb]
+            whole = lo == 0 and hi == cr
+            part = chunk if whole else chunk[lo * rb: hi * rb]
             known = k - base < len(addrs)
             guess = addrs[k - base] if known else addrs[-1] + cb
-            if part.count(part[:1]) == len(part) or os.pread(self.fd, len(part),
-                                                             guess + lo * rb) != part:
+            found = False
+            view = memoryview(part)
+            if view[1:] != view[:-1]:  # (not one byte value throughout; stops at the first)
+                if whole:
+                    found = os.preadv(self.fd, [there], guess) == cb and there == chunk
+                else:
+                    found = os.pread(self.fd, len(part), guess + lo * rb) == part
+                if not found and not known:
+                    at = self._search(bytes(part), guess + lo * rb, lo * rb)
+                    found = at >= 0
+                    guess = at if found else guess
+            if not found:
                 info = mel.id.get_chunk_info_by_coord((k * cr,) + tail)
                 self.lookups += 1
                 if info.byte_offset is None or info.filter_mask != 0 or info.size != cb:
@@ -1126,6 +1146,21 @@ class _Hdf5Files:
         self._append_addresses(addrs[have - base:])
         self.verified_rows = verified
         return None
+
+    def _search(self, part, start, skip, window=1 << 20):
+        """The address of the chunk whose bytes from `skip` on are `part`, looked for in the
+        `window` bytes of the file after `start` (HDF5 puts some metadata between chunks now
+        and then), at the alignment all chunks share; -1 when not found there."""
+        win = os.pread(self.fd, window + len(part), start)
+        align = self.block or 1
+        head = part[:256]
+        pos = win.find(head)
+        while pos >= 0:
+            addr = start + pos - skip
+            if addr % align == 0 and win[pos:pos + len(part)] == part:
+                return addr
+            pos = win.find(head, pos + 1)
+        return -1
 
     def raw_layout_problem(self):
         f, mel = self.f, self.f["segments_mel"]
