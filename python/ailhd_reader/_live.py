@@ -433,12 +433,13 @@ class LiveDataset:
             files.close()
             self._files = files = fresh
             self._pid = os.getpid()
-        elif not files.same_path():
+        elif not files.replaced_checked and not files.same_path():
             # Replaced at the path, but the key is of the files this process has open: go on
             # serving them (unless both have the same tag, which would be ambiguous).
             other = self._new_files()
             ambiguous = other.tag == tag and other.identity != files.identity
             other.close()
+            files.replaced_checked = not ambiguous
             if ambiguous:
                 raise OutputsReplaced(f"{self.path}: replaced by files with the same identity "
                                       "tag; refresh() to go on")
@@ -806,6 +807,7 @@ class _NpyFiles:
         self.known_committed = 0
         self.settled = 0
         self.broken = False
+        self.replaced_checked = False  # (a key of these files after a rebuild replaced them)
 
     def same_path(self):
         try:
@@ -915,6 +917,7 @@ class _Hdf5Files:
         self.known_committed = 0
         self.settled = 0
         self.broken = False
+        self.replaced_checked = False  # (a key of these files after a rebuild replaced them)
         self.chunk_rows = None
         self.chunk_addr = None  # None: read through h5py
         self.verified_rows = 0  # rows whose bytes were found at their chunk's address
