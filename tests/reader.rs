@@ -2,8 +2,9 @@
 //! h5py's raw reads on every split and both sources, committed and valid rows only, worker
 //! processes; following the real `ailhd run` service while it appends, supersedes, deletes,
 //! moves, stops and restarts; the feature rows of files `rebuild` wrote and the service then
-//! appended to stay aligned (the reader's fast path) and readable by Debian's h5dump 1.10; and the
-//! package installs with pip.
+//! appended to stay aligned (the reader's fast path) and readable by Debian's h5dump 1.10; a real
+//! torch DataLoader with LiveSampler while the service appends, stops, idles, is killed and
+//! rebuilt (online learning); and the package installs with pip.
 
 mod common;
 use common::service::*;
@@ -61,6 +62,41 @@ fn reader_follows_the_running_service() {
     );
     println!("{text}");
     assert!(text.contains("reader_live: OK"), "{text}");
+}
+
+/// Online learning as a trainer runs it (tests/py/reader_online.py): a real torch `DataLoader`
+/// with `LiveSampler` over both sources, persistent workers or not, fork and spawn, while the
+/// service appends between and during epochs; every epoch serves exactly the rows valid at its
+/// start. Then a stop, an idle close and reopen, a kill and restart and a `rebuild` in the middle
+/// of epochs, the plain shuffled loop with persistent workers, replay and two DDP ranks. Needs
+/// torch (`.ci/setup` installs it): without it the script fails, it does not skip.
+#[test]
+fn reader_online_learning_with_a_real_dataloader() {
+    let world = World::new(&format!(
+        "{FAST}idle_close_s = 1\n[splits.ratios]\ntraining = 100\nvalidation = 0\ntesting = 0\n"
+    ));
+    let pool = world.dir.path().join("pool");
+    let files = ailhd::synth::write_tree(&pool, &["LEAK", "NORMAL"], 100, 31).unwrap();
+    let mut initial = files.clone();
+    initial.sort();
+    for f in &initial[..12] {
+        let rel = f.strip_prefix(&pool).unwrap();
+        std::fs::create_dir_all(world.rec().join(rel).parent().unwrap()).unwrap();
+        std::fs::rename(f, world.rec().join(rel)).unwrap();
+    }
+    let text = python(
+        "reader_online.py",
+        &[
+            &bin(),
+            &world.config,
+            &world.out(),
+            &world.rec(),
+            &pool,
+            &world.state(),
+        ],
+    );
+    println!("{text}");
+    assert!(text.contains("reader_online: OK"), "{text}");
 }
 
 /// `h5dump -d segments_mel -b FILE` (HDF5 1.10's own reader; `-b FILE`: the bytes as stored)

@@ -1,7 +1,7 @@
 """ailhd_reader on the outputs of `ailhd rebuild`: every split, both sources, equal to h5py's raw
 reads; then on copies made to look like a writer caught mid-commit (rows past committed_rows,
 rows set invalid) that only refresh() may reveal; pickling and worker processes (fork, spawn);
-a replaced output; batch output buffers reused only when free; ailhd's HDF5 rows gathered as
+a replaced output; files cut short below rows a snapshot had (an error, never SIGBUS); batch output buffers reused only when free; ailhd's HDF5 rows gathered as
 whole-row blocks (its chunks are aligned to the row size), and a copy without that alignment
 read by the other path (fancy indexing) with the same values.
 usage: reader_values.py OUTPUT_DIR SCRATCH_DIR"""
@@ -17,7 +17,7 @@ import warnings
 import h5py
 import numpy as np
 
-from ailhd_reader import LiveDataset, OutputsReplaced
+from ailhd_reader import LiveDataset, OutputsReplaced, RowsWithdrawn
 from reader_util import SPLIT_FILES, check_dataset, fail, h5_truth, same_bits
 
 GHOST = 7.0  # the value of the rows a "writer" appended past committed_rows
@@ -232,6 +232,49 @@ def replaced(out, scratch, rng):
         check_dataset(ds, h5_truth(d, "training"), f"{source} after replacement", rng, full=False)
 
 
+def cut_short(out, scratch, rng):
+    """Files cut short below rows a snapshot saw committed (what a writer taking rows back after a
+    crash does): reading those rows raises RowsWithdrawn, by positions and by keys, from the map
+    and from the pread path alike; never SIGBUS (which would kill this process)."""
+    d = os.path.join(scratch, "cut")
+    os.makedirs(d)
+    shutil.copy(os.path.join(out, SPLIT_FILES["training"]), os.path.join(d, SPLIT_FILES["training"]))
+    shutil.copytree(os.path.join(out, "npy"), os.path.join(d, "npy"))
+    for source in ("npy", "hdf5"):
+        for how in ("map", "pread"):
+            ds = LiveDataset(d, "training", source)
+            n = len(ds)
+            keys = ds.keys
+            ds[n - 1]  # files open, rows known
+            files = ds._files
+            path = files.mel_path if source == "npy" else files.path
+            size = os.path.getsize(path)
+            backup = path + ".bak"
+            shutil.copy(path, backup)
+            last = int(ds.rows[-1])
+            offs = (files.header_len + last * files.row_bytes if source == "npy"
+                    else int(files.offsets(np.array([last]))[0]))
+            os.truncate(path, offs)
+            for what, read in (("position", lambda: ds[n - 1]),
+                               ("key", lambda: ds[int(keys[-1])]),
+                               ("batch", lambda: ds.__getitems__(list(range(n))))):
+                if how == "pread":
+                    files.settled = 0  # (a pread re-reads the counts, which settles them again)
+                try:
+                    read()
+                except RowsWithdrawn as e:
+                    print(f"{source}, {how}: {what} past the cut refused: {e}")
+                else:
+                    fail(f"{source}, {how}: a {what} past the end of a cut file was served")
+            ok = ds.__getitems__([0])  # rows before the cut are still served
+            if not same_bits(ok.features, h5_truth(out, "training")["segments_mel"][ds.rows[:1]]):
+                fail(f"{source}, {how}: row 0 differs after the cut")
+            files.close()
+            ds._files = None
+            os.replace(backup, path)
+            assert os.path.getsize(path) == size
+
+
 def reused_outputs(ds, t, what, rng):
     """Batches gathered into reused buffers (npy; HDF5 read by whole blocks): a batch, a row of
     it or a memoryview of it still referred to is never written again; one let go is reused."""
@@ -298,6 +341,7 @@ def main():
     mid_commit_hdf5(out, scratch, rng)
     mid_commit_npy(out, scratch, rng)
     replaced(out, scratch, rng)
+    cut_short(out, scratch, rng)
     t = h5_truth(out, "training")
     reused_outputs(LiveDataset(out, "training", "npy"), t, "npy", rng)
     reused_outputs(LiveDataset(out, "training", "hdf5"), t, "hdf5", rng)
