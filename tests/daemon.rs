@@ -398,6 +398,14 @@ fn a_lost_state_is_rebuilt_from_the_outputs_and_no_row_moves() {
 
 /// Committed rows per split of the HDF5 outputs, read as a SWMR reader does (the service may run).
 fn committed_rows(world: &World) -> Vec<u64> {
+    per_split(world, |f| f.refresh())
+}
+
+/// `f` of each split's HDF5 file, opened as an SWMR reader.
+fn per_split(
+    world: &World,
+    f: impl Fn(&mut ailhd::output::read::SwmrSplit) -> anyhow::Result<u64>,
+) -> Vec<u64> {
     [
         "TRAINING_DATASET.H5",
         "VALIDATION_DATASET.H5",
@@ -406,7 +414,7 @@ fn committed_rows(world: &World) -> Vec<u64> {
     .iter()
     .map(|n| {
         ailhd::output::read::SwmrSplit::open(&world.out().join(n))
-            .and_then(|mut f| f.refresh())
+            .and_then(|mut s| f(&mut s))
             .unwrap()
     })
     .collect()
@@ -532,18 +540,7 @@ fn rows_prepared_before_a_kill_in_the_manifest_window_were_never_visible() {
 
 /// Rows each split's HDF5 file holds (its datasets' extent), committed or not.
 fn hdf5_extents(world: &World) -> Vec<u64> {
-    [
-        "TRAINING_DATASET.H5",
-        "VALIDATION_DATASET.H5",
-        "TESTING_DATASET.H5",
-    ]
-    .iter()
-    .map(|n| {
-        ailhd::output::read::SwmrSplit::open(&world.out().join(n))
-            .and_then(|f| f.extent("blake3"))
-            .unwrap()
-    })
-    .collect()
+    per_split(world, |f| f.extent("blake3"))
 }
 
 /// The comparison of the tree with the manifest at start-up runs beside the ingest: a recording

@@ -587,12 +587,29 @@ impl Manifest {
         if summary != *guard {
             meta.insert("summary", encode(&summary));
         }
-        let db = |r: Result<(), sled::Error>| r.map_err(|e| self.err(e));
-        db(self.content.apply_batch(content))?;
-        db(self.shared.apply_batch(shared))?;
-        db(self.files.apply_batch(files))?;
-        db(self.quarantine.apply_batch(quarantine))?;
-        db(self.meta.apply_batch(meta))?;
+        // One transaction over the five trees: a crash keeps all of the batch or none of it,
+        // so the summary never drifts from the records it counts.
+        use sled::transaction::{ConflictableTransactionError, TransactionError};
+        use sled::Transactional;
+        (
+            &*self.content,
+            &*self.shared,
+            &*self.files,
+            &*self.quarantine,
+            &*self.meta,
+        )
+            .transaction(|(c, s, f, q, m)| {
+                c.apply_batch(&content)?;
+                s.apply_batch(&shared)?;
+                f.apply_batch(&files)?;
+                q.apply_batch(&quarantine)?;
+                m.apply_batch(&meta)?;
+                Ok::<(), ConflictableTransactionError<()>>(())
+            })
+            .map_err(|e| match e {
+                TransactionError::Storage(e) => self.err(e),
+                TransactionError::Abort(()) => unreachable!("the transaction never aborts"),
+            })?;
         *guard = summary;
         Ok(())
     }

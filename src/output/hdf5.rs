@@ -385,33 +385,31 @@ impl Hdf5Sink {
         match keep {
             // The service stopped after the manifest recorded a batch and before the outputs
             // published it (SplitSink::publish): its rows were made durable first, so they are
-            // there; publish them now (readers may have seen them in an earlier life of the file).
-            Some(k) if k > committed => {
-                if let Some(c) = sink.cols.iter().find(|c| (c.ds.shape()[0] as u64) < k) {
-                    bail!(
-                        "{}: dataset {} has {} rows, fewer than the {k} the manifest records; the \
-                         file is damaged: move it away and run `ailhd rebuild`",
-                        path.display(),
-                        c.spec.name,
-                        c.ds.shape()[0]
+            // there; publish them now (readers may have seen them in an earlier life of the
+            // file). Rows the manifest does not account for were never published under this
+            // protocol (outputs of an older version, which committed them first, are adopted
+            // into the manifest before this): they are cut.
+            Some(k) if k != committed => {
+                if k > committed {
+                    if let Some(c) = sink.cols.iter().find(|c| (c.ds.shape()[0] as u64) < k) {
+                        bail!(
+                            "{}: dataset {} has {} rows, fewer than the {k} the manifest records; \
+                             the file is damaged: move it away and run `ailhd rebuild`",
+                            path.display(),
+                            c.spec.name,
+                            c.ds.shape()[0]
+                        );
+                    }
+                    log::info!(
+                        "{}: publishing rows {committed}..{k}, recorded in the manifest before the service stopped",
+                        path.display()
+                    );
+                } else {
+                    log::warn!(
+                        "{}: cutting rows {k}..{committed}, never recorded in the manifest",
+                        path.display()
                     );
                 }
-                log::info!(
-                    "{}: publishing rows {committed}..{k}, recorded in the manifest before the service stopped",
-                    path.display()
-                );
-                sink.resize_all(k)?;
-                sink.dirty = true;
-                sink.commit_now()?;
-            }
-            // Rows the manifest does not account for were never published under this
-            // protocol (an older version committed the outputs first: the caller adopts such
-            // rows into the manifest before it gets here).
-            Some(k) if k < committed => {
-                log::warn!(
-                    "{}: cutting rows {k}..{committed}, never recorded in the manifest",
-                    path.display()
-                );
                 sink.resize_all(k)?;
                 sink.dirty = true;
                 sink.commit_now()?;
