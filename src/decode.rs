@@ -432,10 +432,10 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
-fn parse_fmt(body: &[u8]) -> Result<Fmt, DecodeError> {
-    // Callers pass the whole chunk body; its length fits in u32 because it came from one.
-    let size = body.len() as u32;
-    if body.len() < 16 {
+/// `body` is the start of the fmt chunk's body (at least its first 40 bytes, or all of it when
+/// shorter); `size` is the size the chunk declares.
+fn parse_fmt(body: &[u8], size: u32) -> Result<Fmt, DecodeError> {
+    if size < 16 {
         return Err(DecodeError::FmtTooShort { size, needed: 16 });
     }
     let mut tag = u16_at(body, 0);
@@ -446,7 +446,7 @@ fn parse_fmt(body: &[u8]) -> Result<Fmt, DecodeError> {
     if tag == WAVE_FORMAT_EXTENSIBLE {
         // cbSize, valid bits and channel mask (16..24) do not change how samples are read:
         // valid bits < container bits still means left-justified samples.
-        if body.len() < 40 {
+        if size < 40 {
             return Err(DecodeError::FmtTooShort { size, needed: 40 });
         }
         let mut guid = [0u8; 16];
@@ -487,16 +487,115 @@ fn parse_fmt(body: &[u8]) -> Result<Fmt, DecodeError> {
     })
 }
 
-/// Whether `b` starts with something that reads as a RIFF chunk header that fits in `b`: used to
-/// tell metadata appended after the audio from audio written past a header not yet updated.
-fn looks_like_chunk(b: &[u8]) -> bool {
-    if b.len() < 8 {
-        return false;
+/// Bytes of the fmt chunk's body that [`parse_fmt`] looks at.
+const FMT_LOOKED_AT: usize = 40;
+
+/// The bytes the header parser looks at: a whole file in memory, or a file on disk of which
+/// only the parts looked at are read ([`parse_file_header`]).
+trait Source {
+    type Error;
+    /// The file's length.
+    fn len(&self) -> u64;
+    /// The bytes from `at`, at most `n` (fewer at the end of the file).
+    fn get(&self, at: u64, n: usize) -> Result<std::borrow::Cow<'_, [u8]>, Self::Error>;
+}
+
+impl Source for [u8] {
+    type Error = std::convert::Infallible;
+    fn len(&self) -> u64 {
+        <[u8]>::len(self) as u64
     }
+    #[inline]
+    fn get(&self, at: u64, n: usize) -> Result<std::borrow::Cow<'_, [u8]>, Self::Error> {
+        let len = <[u8]>::len(self);
+        let from = usize::try_from(at).unwrap_or(len).min(len);
+        Ok(std::borrow::Cow::Borrowed(
+            &self[from..from.saturating_add(n).min(len)],
+        ))
+    }
+}
+
+/// A file of `len` bytes, its first bytes read (`head`); the parser's other reads (chunk
+/// headers, the fmt chunk, a few bytes after the data) are read where they lie.
+struct FileSource<'a> {
+    file: &'a std::fs::File,
+    len: u64,
+    head: Vec<u8>,
+}
+
+impl Source for FileSource<'_> {
+    type Error = std::io::Error;
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn get(&self, at: u64, n: usize) -> std::io::Result<std::borrow::Cow<'_, [u8]>> {
+        use std::os::unix::fs::FileExt;
+        let end = at.saturating_add(n as u64).min(self.len);
+        if end <= self.head.len() as u64 {
+            return Ok(std::borrow::Cow::Borrowed(
+                &self.head[at.min(end) as usize..end as usize],
+            ));
+        }
+        let mut buf = vec![0u8; end.saturating_sub(at) as usize];
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], at + done as u64) {
+                // The file shrank since its length was taken: what is there is parsed, the
+                // rest reads as zeros (the caller notices the change of size).
+                Ok(0) => break,
+                Ok(k) => done += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(std::borrow::Cow::Owned(buf))
+    }
+}
+
+/// Bytes read from the start of a file before its header is parsed (the rest of what the parser
+/// looks at is read where it lies).
+const HEAD_BYTES: u64 = 4096;
+
+/// [`parse_header`] of the file `file`, `len` bytes long, reading only the parts the parser looks
+/// at (the chunk headers, the fmt chunk, a few bytes after the audio), never the audio: a few
+/// reads whatever the file's size. The outer error is an I/O error.
+pub fn parse_file_header(
+    file: &std::fs::File,
+    len: u64,
+) -> std::io::Result<Result<WavInfo, DecodeError>> {
+    let mut src = FileSource {
+        file,
+        len,
+        head: Vec::new(),
+    };
+    src.head = src.get(0, HEAD_BYTES.min(len) as usize)?.into_owned();
+    parse_in(&src)
+}
+
+/// Why parsing stopped: what the header says is wrong, or the source's own error.
+enum Fail<E> {
+    Decode(DecodeError),
+    Source(E),
+}
+
+impl<E> From<DecodeError> for Fail<E> {
+    fn from(e: DecodeError) -> Self {
+        Fail::Decode(e)
+    }
+}
+
+/// Whether the bytes at `pos` read as a RIFF chunk header that fits in the file: used to tell
+/// metadata appended after the audio from audio written past a header not yet updated.
+fn looks_like_chunk<S: Source + ?Sized>(src: &S, pos: u64) -> Result<bool, Fail<S::Error>> {
+    let left = src.len().saturating_sub(pos);
+    if left < 8 {
+        return Ok(false);
+    }
+    let b = src.get(pos, 8).map_err(Fail::Source)?;
     let id_ok =
         b[0].is_ascii_alphanumeric() && b[1..4].iter().all(|c| c.is_ascii_graphic() || *c == b' ');
     // A missing pad byte after an odd-sized last chunk is a common writer slip; allow it.
-    id_ok && u64::from(u32_at(b, 4)) <= (b.len() - 8) as u64 + 1
+    Ok(id_ok && u64::from(u32_at(&b, 4)) <= (left - 8) + 1)
 }
 
 /// Parse and check the header against the actual byte length. Used by [`decode`] and by the
@@ -508,31 +607,52 @@ fn looks_like_chunk(b: &[u8]) -> bool {
 /// chunk reaching past the end of the file but not of the declared RIFF is truncation, one
 /// reaching past the RIFF too is a corrupt header.
 pub fn parse_header(bytes: &[u8]) -> Result<WavInfo, DecodeError> {
-    let len = bytes.len();
-    if len == 0 {
-        return Err(DecodeError::Empty);
+    match parse_in(bytes) {
+        Ok(r) => r,
+        Err(never) => match never {},
     }
-    let magic = &bytes[..len.min(4)];
-    if len < 12 {
+}
+
+/// [`parse_header`] of any [`Source`]; the outer error is the source's.
+fn parse_in<S: Source + ?Sized>(src: &S) -> Result<Result<WavInfo, DecodeError>, S::Error> {
+    match parse_source(src) {
+        Ok(info) => Ok(Ok(info)),
+        Err(Fail::Decode(e)) => Ok(Err(e)),
+        Err(Fail::Source(e)) => Err(e),
+    }
+}
+
+fn parse_source<S: Source + ?Sized>(src: &S) -> Result<WavInfo, Fail<S::Error>> {
+    let len64 = src.len();
+    // For messages only: lengths beyond usize do not occur on 64-bit hosts.
+    let len = usize::try_from(len64).unwrap_or(usize::MAX);
+    if len64 == 0 {
+        return Err(DecodeError::Empty.into());
+    }
+    let head = src.get(0, 12).map_err(Fail::Source)?;
+    let magic = &head[..head.len().min(4)];
+    if len64 < 12 {
         // A recorder that has written only the first bytes of its header.
-        return if b"RIFF".starts_with(magic) {
-            Err(DecodeError::TruncatedChunkHeader { file_len: len })
+        return Err(if b"RIFF".starts_with(magic) {
+            DecodeError::TruncatedChunkHeader { file_len: len }
         } else {
-            Err(DecodeError::NotWav)
-        };
+            DecodeError::NotWav
+        }
+        .into());
     }
-    match (magic, &bytes[8..12]) {
+    match (magic, &head[8..12]) {
         (b"RIFF", b"WAVE") => {}
-        (b"RIFX", b"WAVE") => return Err(DecodeError::UnsupportedContainer("big-endian RIFX")),
-        (b"RF64", b"WAVE") => return Err(DecodeError::UnsupportedContainer("64-bit RF64")),
-        _ => return Err(DecodeError::NotWav),
+        (b"RIFX", b"WAVE") => {
+            return Err(DecodeError::UnsupportedContainer("big-endian RIFX").into())
+        }
+        (b"RF64", b"WAVE") => return Err(DecodeError::UnsupportedContainer("64-bit RF64").into()),
+        _ => return Err(DecodeError::NotWav.into()),
     }
-    let riff_size = u32_at(bytes, 4);
+    let riff_size = u32_at(&head, 4);
     if riff_size == 0 || riff_size == u32::MAX {
-        return Err(DecodeError::PlaceholderSizes);
+        return Err(DecodeError::PlaceholderSizes.into());
     }
     // u64 throughout: chunk ends computed from u32 sizes must not wrap on 32-bit targets.
-    let len64 = len as u64;
     let riff_end = 8 + u64::from(riff_size);
 
     let mut fmt = None;
@@ -543,27 +663,30 @@ pub fn parse_header(bytes: &[u8]) -> Result<WavInfo, DecodeError> {
         }
         if pos + 8 > len64 {
             if pos < riff_end {
-                return Err(DecodeError::TruncatedChunkHeader { file_len: len });
+                return Err(DecodeError::TruncatedChunkHeader { file_len: len }.into());
             }
             break; // a few stray bytes after the RIFF: not ours to judge
         }
-        let at = pos as usize;
-        let chunk = ChunkId([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
-        let size = u32_at(bytes, at + 4);
+        let h = src.get(pos, 8).map_err(Fail::Source)?;
+        let chunk = ChunkId([h[0], h[1], h[2], h[3]]);
+        let size = u32_at(&h, 4);
         let body = pos + 8;
         let end = body + u64::from(size);
         if &chunk.0 == b"data" {
             let info = fmt.ok_or(DecodeError::NoFmt)?;
-            return check_data(bytes, info, body, size, riff_end);
+            return check_data(src, info, body, size, riff_end);
         }
         if end > len64 {
             if pos >= riff_end {
                 break; // bytes past the declared RIFF that do not form a chunk
             }
-            return Err(oversized(chunk, size, body, end, riff_end, len));
+            return Err(oversized(chunk, size, body, end, riff_end, len).into());
         }
         if &chunk.0 == b"fmt " && fmt.is_none() {
-            fmt = Some(parse_fmt(&bytes[body as usize..end as usize])?);
+            let b = src
+                .get(body, (size as usize).min(FMT_LOOKED_AT))
+                .map_err(Fail::Source)?;
+            fmt = Some(parse_fmt(&b, size)?);
         }
         pos = end + u64::from(size & 1);
     }
@@ -572,9 +695,10 @@ pub fn parse_header(bytes: &[u8]) -> Result<WavInfo, DecodeError> {
             chunk: ChunkId(*b"RIFF"),
             declared: u64::from(riff_size),
             present: len - 8,
-        });
+        }
+        .into());
     }
-    Err(DecodeError::NoData)
+    Err(DecodeError::NoData.into())
 }
 
 /// A chunk reaching past the end of the file: truncation if the RIFF size says the file should
@@ -603,41 +727,39 @@ fn oversized(
     }
 }
 
-fn check_data(
-    bytes: &[u8],
+fn check_data<S: Source + ?Sized>(
+    src: &S,
     fmt: Fmt,
     body: u64,
     size: u32,
     riff_end: u64,
-) -> Result<WavInfo, DecodeError> {
-    let len = bytes.len();
-    let len64 = len as u64;
+) -> Result<WavInfo, Fail<S::Error>> {
+    let len64 = src.len();
+    let len = usize::try_from(len64).unwrap_or(usize::MAX);
     // body <= len: the caller read the 8-byte chunk header before it.
-    let after_header = &bytes[body as usize..];
-    if size == u32::MAX
-        || (size == 0 && !after_header.is_empty() && !looks_like_chunk(after_header))
-    {
-        return Err(DecodeError::PlaceholderSizes);
+    let after_header = len64 - body;
+    if size == u32::MAX || (size == 0 && after_header > 0 && !looks_like_chunk(src, body)?) {
+        return Err(DecodeError::PlaceholderSizes.into());
     }
     let end = body + u64::from(size);
     if end > len64 {
-        return Err(oversized(ChunkId(*b"data"), size, body, end, riff_end, len));
+        return Err(oversized(ChunkId(*b"data"), size, body, end, riff_end, len).into());
     }
     if size == 0 {
-        return Err(DecodeError::NoFrames);
+        return Err(DecodeError::NoFrames.into());
     }
     let padded_end = end + u64::from(size & 1);
     if riff_end <= padded_end && padded_end + 1 < len64 {
         // The RIFF ends with the audio, yet more bytes follow: either metadata someone appended
         // without updating the RIFF size (fine), or audio a recorder wrote past a header it
         // updates only now and then (not finished).
-        let trailing_ok = looks_like_chunk(&bytes[end as usize..])
-            || looks_like_chunk(&bytes[padded_end as usize..]);
+        let trailing_ok = looks_like_chunk(src, end)? || looks_like_chunk(src, padded_end)?;
         if !trailing_ok {
             return Err(DecodeError::StaleHeader {
                 declared: size,
-                present: after_header.len(),
-            });
+                present: usize::try_from(after_header).unwrap_or(usize::MAX),
+            }
+            .into());
         }
     }
     if riff_end > len64 + 1 {
@@ -647,13 +769,15 @@ fn check_data(
             chunk: ChunkId(*b"RIFF"),
             declared: riff_end - 8,
             present: len - 8,
-        });
+        }
+        .into());
     }
     if !size.is_multiple_of(u32::from(fmt.block_align)) {
         return Err(DecodeError::PartialFrame {
             data_len: size,
             block_align: fmt.block_align,
-        });
+        }
+        .into());
     }
     let data_len = size as usize;
     Ok(WavInfo {
@@ -723,40 +847,284 @@ fn pcm16_mono(data: &[u8], num_samples: usize) -> Vec<i16> {
 
 /// The first `frames` frames of `data` as mono float.
 fn to_mono(data: &[u8], info: &WavInfo, frames: usize) -> Result<Vec<f32>, DecodeError> {
-    let data = &data[..frames * usize::from(info.block_align)];
-    let ch = usize::from(info.channels);
-    let mono = match info.format {
-        SampleFormat::PcmU8 => mix(data, ch, |[b]: [u8; 1]| (f64::from(b) - 128.0) / 128.0),
-        SampleFormat::Pcm16 => mix(data, ch, |b| f64::from(i16::from_le_bytes(b)) / 32768.0),
-        SampleFormat::Pcm24 => mix(data, ch, |[a, b, c]: [u8; 3]| {
-            // Put the 3 bytes in the top of an i32 so the shift sign-extends.
-            f64::from(i32::from_le_bytes([0, a, b, c]) >> 8) / 8_388_608.0
-        }),
-        SampleFormat::Pcm32 => mix(data, ch, |b| {
-            f64::from(i32::from_le_bytes(b)) / 2_147_483_648.0
-        }),
-        SampleFormat::Float32 => mix(data, ch, |b| f64::from(f32::from_le_bytes(b))),
-        SampleFormat::Float64 => mix(data, ch, f64::from_le_bytes),
-    };
-    // Integer formats cannot produce these; a NaN in a float file would poison every row value.
-    if let Some(frame) = mono.iter().position(|v| !v.is_finite()) {
-        return Err(DecodeError::NonFinite { frame });
-    }
+    let mut mono = Vec::with_capacity(frames);
+    mono_into(
+        &data[..frames * usize::from(info.block_align)],
+        info,
+        &mut mono,
+    );
+    check_finite(&mono)?;
     Ok(mono)
 }
 
-/// Average the channels of each frame of `W`-byte samples. Summing in f64 and dividing once
-/// keeps the average exact for every integer format (and matches numpy's `mean(axis=1)`).
-fn mix<const W: usize>(data: &[u8], channels: usize, sample: impl Fn([u8; W]) -> f64) -> Vec<f32> {
+/// Integer formats cannot produce these; a NaN in a float file would poison every row value.
+fn check_finite(mono: &[f32]) -> Result<(), DecodeError> {
+    match mono.iter().position(|v| !v.is_finite()) {
+        Some(frame) => Err(DecodeError::NonFinite { frame }),
+        None => Ok(()),
+    }
+}
+
+/// The whole frames of `data` as mono float, appended to `out`.
+fn mono_into(data: &[u8], info: &WavInfo, out: &mut Vec<f32>) {
+    let ch = usize::from(info.channels);
+    match info.format {
+        SampleFormat::PcmU8 => mix(data, ch, |[b]: [u8; 1]| (f64::from(b) - 128.0) / 128.0, out),
+        SampleFormat::Pcm16 => mix(
+            data,
+            ch,
+            |b| f64::from(i16::from_le_bytes(b)) / 32768.0,
+            out,
+        ),
+        SampleFormat::Pcm24 => mix(
+            data,
+            ch,
+            |[a, b, c]: [u8; 3]| {
+                // Put the 3 bytes in the top of an i32 so the shift sign-extends.
+                f64::from(i32::from_le_bytes([0, a, b, c]) >> 8) / 8_388_608.0
+            },
+            out,
+        ),
+        SampleFormat::Pcm32 => mix(
+            data,
+            ch,
+            |b| f64::from(i32::from_le_bytes(b)) / 2_147_483_648.0,
+            out,
+        ),
+        SampleFormat::Float32 => mix(data, ch, |b| f64::from(f32::from_le_bytes(b)), out),
+        SampleFormat::Float64 => mix(data, ch, f64::from_le_bytes, out),
+    }
+}
+
+/// Average the channels of each frame of `W`-byte samples, appended to `out`. Summing in f64
+/// and dividing once keeps the average exact for every integer format (and matches numpy's
+/// `mean(axis=1)`).
+fn mix<const W: usize>(
+    data: &[u8],
+    channels: usize,
+    sample: impl Fn([u8; W]) -> f64,
+    out: &mut Vec<f32>,
+) {
     // chunks_exact(W) yields W bytes, so the conversion never falls back to the default.
     let read = |c: &[u8]| sample(c.try_into().unwrap_or([0; W]));
     if channels == 1 {
-        return data.chunks_exact(W).map(|c| read(c) as f32).collect();
+        out.extend(data.chunks_exact(W).map(|c| read(c) as f32));
+        return;
     }
     let n = channels as f64;
-    data.chunks_exact(W * channels)
-        .map(|frame| (frame.chunks_exact(W).map(read).sum::<f64>() / n) as f32)
-        .collect()
+    out.extend(
+        data.chunks_exact(W * channels)
+            .map(|frame| (frame.chunks_exact(W).map(read).sum::<f64>() / n) as f32),
+    );
+}
+
+/// Bytes read at a time by [`stream_file`]: what it holds of a file, whatever the file's size.
+pub const STREAM_PIECE: usize = 256 << 10;
+
+/// What one pass over a file gave ([`stream_file`]).
+#[derive(Debug)]
+pub enum Streamed {
+    /// The header says what is wrong with the file: nothing past the header was read, so there
+    /// is no content hash.
+    BadHeader(DecodeError),
+    /// Read to its end: `len` bytes (the length it had when the pass ended), their blake3, the
+    /// header, and the row's samples decoded as [`decode`] does, or why not.
+    Read {
+        len: u64,
+        hash: [u8; 32],
+        info: WavInfo,
+        wave: Result<Waveform, DecodeError>,
+    },
+}
+
+/// Read `file` (`len` bytes when it was opened) once, in pieces of [`STREAM_PIECE`] bytes, with
+/// memory bounded whatever its size: the header is parsed first (reading only what the parser
+/// looks at: a file that is not a WAV is not read further), then the whole file is hashed as
+/// its pieces pass, and only the frames that reach the first `num_samples` samples at
+/// `sample_rate` are decoded, as they pass. Gives what [`decode`] and blake3 of the whole file
+/// give. Reads at most `len + 1` bytes (the one more tells the caller that the file grew).
+pub fn stream_file(
+    file: &std::fs::File,
+    len: u64,
+    sample_rate: u32,
+    num_samples: usize,
+) -> std::io::Result<Streamed> {
+    let info = match parse_file_header(file, len)? {
+        Ok(info) => info,
+        Err(e) => return Ok(Streamed::BadHeader(e)),
+    };
+    let mut sink = Sink::new(&info, sample_rate, num_samples);
+    let mut hasher = blake3::Hasher::new();
+    let mut buf = vec![0u8; STREAM_PIECE];
+    let limit = len.saturating_add(1);
+    let mut pos = 0u64;
+    while pos < limit {
+        let want = (limit - pos).min(buf.len() as u64) as usize;
+        let n = match std::os::unix::fs::FileExt::read_at(file, &mut buf[..want], pos) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        hasher.update(&buf[..n]);
+        if let Ok(s) = &mut sink {
+            s.feed(pos, &buf[..n]);
+        }
+        let next = pos + n as u64;
+        if next / DROP_EVERY != pos / DROP_EVERY {
+            drop_cached(file, next);
+        }
+        pos = next;
+    }
+    Ok(Streamed::Read {
+        len: pos,
+        hash: *hasher.finalize().as_bytes(),
+        wave: sink.and_then(Sink::finish),
+        info,
+    })
+}
+
+/// [`stream_file`] lets the page cache go of what it has read every this many bytes.
+const DROP_EVERY: u64 = 8 << 20;
+
+/// Let the kernel drop the cached pages of `file` below `end` (`POSIX_FADV_DONTNEED`; pages
+/// still to be written back are only queued for it): a large file read once does not fill the
+/// page cache, nor push out what other programs use.
+fn drop_cached(file: &std::fs::File, end: u64) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a plain system call on an open descriptor; only advice.
+    unsafe {
+        libc::posix_fadvise(
+            file.as_raw_fd(),
+            0,
+            end as libc::off_t,
+            libc::POSIX_FADV_DONTNEED,
+        );
+    }
+}
+
+/// The decoding side of [`stream_file`]: takes the bytes of the data chunk that the row needs as
+/// they pass, and turns whole frames into samples at once (a frame cut by a piece's end waits
+/// for the rest of it).
+struct Sink {
+    /// The file offsets of the bytes needed.
+    from: u64,
+    to: u64,
+    block: usize,
+    /// The start of a frame cut by the end of a piece.
+    carry: Vec<u8>,
+    out: SinkOut,
+    num_samples: usize,
+    info: WavInfo,
+}
+
+enum SinkOut {
+    /// 16-bit mono at the rate: the samples as they are.
+    Pcm16(Vec<i16>),
+    /// Mono float at the file's rate, to be resampled if `resampler` is set.
+    Mono {
+        mono: Vec<f32>,
+        resampler: Option<Box<BandLimited>>,
+    },
+}
+
+impl Sink {
+    /// As [`decode_parsed`] chooses: how many frames, and what becomes of them.
+    fn new(info: &WavInfo, sample_rate: u32, num_samples: usize) -> Result<Sink, DecodeError> {
+        let (frames, out) = if info.is_waveform_at(sample_rate) {
+            let n = num_samples.min(info.frames);
+            (n, SinkOut::Pcm16(buffers::take(num_samples)))
+        } else if info.sample_rate == sample_rate {
+            let n = num_samples.min(info.frames);
+            (
+                n,
+                SinkOut::Mono {
+                    mono: Vec::with_capacity(n),
+                    resampler: None,
+                },
+            )
+        } else {
+            let resampler = BandLimited::new(info.sample_rate, sample_rate)?;
+            let n = resampler.input_needed(num_samples).min(info.frames);
+            (
+                n,
+                SinkOut::Mono {
+                    mono: Vec::with_capacity(n),
+                    resampler: Some(Box::new(resampler)),
+                },
+            )
+        };
+        let block = usize::from(info.block_align);
+        let from = info.data_offset as u64;
+        Ok(Sink {
+            from,
+            to: from + (frames * block) as u64,
+            block,
+            carry: Vec::with_capacity(block),
+            out,
+            num_samples,
+            info: info.clone(),
+        })
+    }
+
+    /// The piece of the file at `pos`.
+    fn feed(&mut self, pos: u64, piece: &[u8]) {
+        let end = pos + piece.len() as u64;
+        if end <= self.from || pos >= self.to {
+            return;
+        }
+        let a = (self.from.max(pos) - pos) as usize;
+        let b = (self.to.min(end) - pos) as usize;
+        let mut bytes = &piece[a..b];
+        if !self.carry.is_empty() {
+            let k = (self.block - self.carry.len()).min(bytes.len());
+            self.carry.extend_from_slice(&bytes[..k]);
+            bytes = &bytes[k..];
+            if self.carry.len() < self.block {
+                return;
+            }
+            let frame = std::mem::take(&mut self.carry);
+            self.frames(&frame);
+            self.carry = frame;
+            self.carry.clear();
+        }
+        let whole = bytes.len() / self.block * self.block;
+        self.frames(&bytes[..whole]);
+        self.carry.extend_from_slice(&bytes[whole..]);
+    }
+
+    fn frames(&mut self, data: &[u8]) {
+        match &mut self.out {
+            SinkOut::Pcm16(v) => v.extend(
+                data.chunks_exact(2)
+                    .map(|c| i16::from_le_bytes([c[0], c[1]])),
+            ),
+            SinkOut::Mono { mono, .. } => mono_into(data, &self.info, mono),
+        }
+    }
+
+    /// The row's samples, once every needed byte has passed (fewer if the file was cut short:
+    /// the caller notices its change of size).
+    fn finish(self) -> Result<Waveform, DecodeError> {
+        let n = self.num_samples;
+        match self.out {
+            SinkOut::Pcm16(mut v) => {
+                v.resize(n, 0);
+                Ok(Waveform::Pcm16(v))
+            }
+            SinkOut::Mono {
+                mut mono,
+                resampler,
+            } => {
+                check_finite(&mono)?;
+                if let Some(mut r) = resampler {
+                    mono = r.run(&mono, self.info.frames, n)?;
+                }
+                mono.resize(n, 0.0);
+                Ok(Waveform::Float(mono))
+            }
+        }
+    }
 }
 
 /// Sample-rate conversion with rubato's FFT resampler: a synchronous (exact rational ratio)
@@ -905,6 +1273,96 @@ mod tests {
         match w {
             Waveform::Float(v) => v,
             Waveform::Pcm16(_) => panic!("expected a float waveform"),
+        }
+    }
+
+    /// Reading a file in pieces ([`stream_file`]) gives what reading it whole gives: blake3 of
+    /// the bytes, [`parse_header`] and [`decode`], whatever the format (frames cut by the end of
+    /// a piece: 3- and 6-byte frames, odd offsets), the rate (resampled or not), and the length
+    /// (shorter than a row, several pieces longer); a bad header stops the reading.
+    #[test]
+    fn streaming_a_file_gives_what_reading_it_whole_gives() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.wav");
+        let long = STREAM_PIECE * 2 + 1234;
+        let bytes = |n: usize, seed: u32| -> Vec<u8> {
+            (0..n as u32)
+                .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8)
+                .collect()
+        };
+        let floats: Vec<u8> = (0..long / 4)
+            .flat_map(|i| ((i as f32 * 0.001).sin() * 0.5).to_le_bytes())
+            .collect();
+        let mut nan = floats.clone();
+        nan[STREAM_PIECE + 4..STREAM_PIECE + 8].copy_from_slice(&f32::NAN.to_le_bytes());
+        let cases: Vec<(&str, Vec<u8>)> = vec![
+            ("pcm16 mono", wav(1, 1, 4096, 16, &bytes(long & !1, 1))),
+            ("pcm16 mono short", wav(1, 1, 4096, 16, &bytes(3000, 2))),
+            (
+                "pcm16 mono, odd chunk before data",
+                riff(&[
+                    (b"fmt ", &fmt(1, 1, 4096, 16)),
+                    (b"LIST", b"abc"),
+                    (b"data", &bytes(long & !1, 3)),
+                ]),
+            ),
+            ("pcm24 mono", wav(1, 1, 4096, 24, &bytes(long / 3 * 3, 4))),
+            ("pcm24 stereo", wav(1, 2, 4096, 24, &bytes(long / 6 * 6, 5))),
+            (
+                "pcm16 stereo 8192 Hz",
+                wav(1, 2, 8192, 16, &bytes(long / 4 * 4, 6)),
+            ),
+            ("pcm8 44100 Hz", wav(1, 1, 44_100, 8, &bytes(long, 7))),
+            ("float 4096 Hz", wav(3, 1, 4096, 32, &floats)),
+            ("float with a NaN", wav(3, 1, 4096, 32, &nan)),
+            ("not a wav", bytes(long, 8)),
+            ("zeros", vec![0; long]),
+        ];
+        for (name, file) in cases {
+            std::fs::write(&path, &file).unwrap();
+            for num_samples in [100, 40_960, 200_000] {
+                let f = std::fs::File::open(&path).unwrap();
+                let got = stream_file(&f, file.len() as u64, 4096, num_samples).unwrap();
+                match (got, parse_header(&file)) {
+                    (Streamed::BadHeader(e), Err(want)) => assert_eq!(e, want, "{name}"),
+                    (
+                        Streamed::Read {
+                            len,
+                            hash,
+                            info,
+                            wave,
+                        },
+                        Ok(want),
+                    ) => {
+                        assert_eq!(len, file.len() as u64, "{name}");
+                        assert_eq!(hash, *blake3::hash(&file).as_bytes(), "{name}");
+                        assert_eq!(info, want, "{name}");
+                        assert_eq!(
+                            wave,
+                            decode(&file, 4096, num_samples),
+                            "{name}, {num_samples} samples"
+                        );
+                    }
+                    (got, want) => panic!("{name}: {got:?} against {want:?}"),
+                }
+            }
+            // The header, read in parts, says what the whole file says.
+            let f = std::fs::File::open(&path).unwrap();
+            assert_eq!(
+                parse_file_header(&f, file.len() as u64).unwrap(),
+                parse_header(&file),
+                "{name}"
+            );
+        }
+        // A file that grew since its length was taken: one byte more is read, and no more.
+        let file = wav(1, 1, 4096, 16, &bytes(long & !1, 9));
+        let mut grown = file.clone();
+        grown.extend(b"LIST\x04\x00\x00\x00abcd");
+        std::fs::write(&path, &grown).unwrap();
+        let f = std::fs::File::open(&path).unwrap();
+        match stream_file(&f, file.len() as u64, 4096, 100).unwrap() {
+            Streamed::Read { len, .. } => assert_eq!(len, file.len() as u64 + 1),
+            other => panic!("{other:?}"),
         }
     }
 

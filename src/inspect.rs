@@ -66,11 +66,27 @@ fn label_of(settings: &Settings, file: &Path) -> Option<String> {
 }
 
 pub fn inspect(settings: &Settings, file: &Path) -> anyhow::Result<Inspected> {
-    let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
-    let info = decode::parse_header(&bytes).with_context(|| format!("{}", file.display()))?;
+    // One pass in pieces, as the engine reads a large file: memory stays bounded whatever the
+    // file's size (a 1.5 GB recording is hashed whole and decoded as far as a row goes).
     let shape = settings.features.shape();
-    let wave = decode::decode(&bytes, settings.features.sample_rate, shape.num_samples)
-        .with_context(|| format!("{}", file.display()))?;
+    let read = || -> std::io::Result<decode::Streamed> {
+        let f = std::fs::File::open(file)?;
+        let len = f.metadata()?.len();
+        decode::stream_file(&f, len, settings.features.sample_rate, shape.num_samples)
+    };
+    let streamed = read().with_context(|| format!("cannot read {}", file.display()))?;
+    let (len, hash, info, wave) = match streamed {
+        decode::Streamed::BadHeader(e) => {
+            return Err(anyhow::Error::new(e).context(format!("{}", file.display())))
+        }
+        decode::Streamed::Read {
+            len,
+            hash,
+            info,
+            wave,
+        } => (len, hash, info, wave),
+    };
+    let wave = wave.with_context(|| format!("{}", file.display()))?;
     let mut feat = features::build(&settings.features, DeviceChoice::Cpu, 1)?;
     let mut row = vec![f16::ZERO; shape.row_len()];
     feat.featurise(&[&wave], &mut row)?;
@@ -93,8 +109,8 @@ pub fn inspect(settings: &Settings, file: &Path) -> anyhow::Result<Inspected> {
         info: Inspection {
             file: file.display().to_string(),
             label: label_of(settings, file),
-            bytes: bytes.len() as u64,
-            blake3: identity::hex(&identity::content_hash(&bytes)),
+            bytes: len,
+            blake3: identity::hex(&hash),
             format: format!("{:?}", info.format),
             channels: info.channels,
             sample_rate: info.sample_rate,

@@ -10,8 +10,11 @@
 //!   rows, ownership, moves and quarantine), [`engine::featurise`] (batches through the
 //!   featuriser's `submit`/`finish`), [`engine::commit`] (the one commit protocol),
 //!   [`engine::manifest`] (sled, the commit point), [`engine::outcome`] (typed outcomes),
-//!   [`engine::recover`] (a lost manifest rebuilt from the outputs);
-//! - [`decode`]: WAV bytes -> mono waveform at the configured rate;
+//!   [`engine::recover`] (a lost manifest rebuilt from the outputs), [`engine::lane`] (large
+//!   files loaded apart, so they hold up no batch), [`engine::inflight`] (what was being read
+//!   when ailhd died: no crash loop);
+//! - [`decode`]: WAV bytes -> mono waveform at the configured rate; a large file read once in
+//!   pieces ([`decode::stream_file`]), memory bounded whatever its size;
 //! - [`features`]: waveforms -> float16 dB mel rows ([`features::cpu`], [`features::cuda`]);
 //! - [`identity`]: content hash, label, split, file-name metadata;
 //! - [`output`]: rows -> per-split HDF5 files and npy memmaps; [`output::read`] reads them back

@@ -234,7 +234,11 @@ pub fn record_status(r: &StatusReport) {
 /// journal's REASON field).
 pub fn reason_kind(reason: &str) -> &'static str {
     let r = reason.to_ascii_lowercase();
-    let kinds: [(&[&str], &'static str); 10] = [
+    let kinds: [(&[&str], &'static str); 11] = [
+        (
+            &["stopped twice", "in a row while reading it"],
+            "stopped_while_reading",
+        ),
         (&["not valid utf-8"], "path_not_utf8"),
         (&["symbolic link", "symlink"], "symlink"),
         (&["does not fit", "path_bytes", "too long"], "path_too_long"),
@@ -593,6 +597,14 @@ mod tests {
                 "unsupported",
             ),
             ("something new", "other"),
+            (
+                &crate::engine::outcome::Reason::StoppedWhileReading { deaths: 2 }.to_string(),
+                "stopped_while_reading",
+            ),
+            (
+                &crate::engine::outcome::Reason::StoppedWhileReading { deaths: 3 }.to_string(),
+                "stopped_while_reading",
+            ),
         ] {
             assert_eq!(reason_kind(reason), kind, "{reason}");
         }

@@ -42,6 +42,30 @@ impl RebuildReport {
     }
 }
 
+/// Files the service quarantined because ailhd stopped while reading them (see
+/// [`crate::engine::inflight`]) stay quarantined in the rebuilt outputs while their size and
+/// mtime are the same: `rebuild` does not read them (they would stop it too).
+fn keep_set_aside(settings: &Settings, old: &Manifest) -> anyhow::Result<()> {
+    let mut journal = None;
+    for item in old.files() {
+        let (rel, rec) = item?;
+        let Some(q) = &rec.quarantine else { continue };
+        if q.kind == crate::engine::outcome::STOPPED_WHILE_READING {
+            journal
+                .get_or_insert_with(|| {
+                    crate::engine::inflight::Journal::for_state(&settings.paths.state)
+                })
+                .remember_poison(crate::engine::inflight::Entry {
+                    rel,
+                    size: rec.size,
+                    mtime_ns: rec.mtime_ns,
+                    deaths: 2,
+                });
+        }
+    }
+    Ok(())
+}
+
 pub struct Ui {
     pub progress: bool,
 }
@@ -78,7 +102,9 @@ pub fn rebuild_shard(
         let appended_before = scope.spawn(|| -> anyhow::Result<Vec<String>> {
             let old_manifest = staging::manifest_dir(settings);
             Ok(if old_manifest.exists() {
-                Manifest::open(&old_manifest)?.appended_labels()?
+                let old = Manifest::open(&old_manifest)?;
+                keep_set_aside(settings, &old)?;
+                old.appended_labels()?
             } else {
                 Vec::new()
             })

@@ -208,6 +208,11 @@ impl Ledger {
         self.rows = rows;
     }
 
+    /// What is recorded of `rel`, decided (durable or not) or stored.
+    pub fn recorded(&self, store: &dyn Store, rel: &str) -> anyhow::Result<Option<FileRecord>> {
+        self.file(store, rel)
+    }
+
     fn file(&self, store: &dyn Store, rel: &str) -> anyhow::Result<Option<FileRecord>> {
         match (self.files.get(rel), &self.decided) {
             (Some((r, _)), _) => Ok(r.clone()),
@@ -326,6 +331,20 @@ impl Ledger {
                     hash: None,
                     size: 0,
                     mtime_ns: 0,
+                },
+                Observation::Loaded(Loaded {
+                    load:
+                        Load::Rejected {
+                            size,
+                            mtime_ns,
+                            reason,
+                        },
+                    ..
+                }) => Binding::Quarantine {
+                    reason,
+                    hash: None,
+                    size,
+                    mtime_ns,
                 },
                 Observation::Loaded(Loaded {
                     seen: seen_at,

@@ -3,6 +3,9 @@
 //!
 //! 1. load ([`stages::load`]): read, hash and decode the complete files, on a worker pool
 //!    (the caller's thread waits for it, so the next batch loads while earlier ones go on);
+//!    files over [`stages::LANE_ABOVE`] go to the [`lane`] and are decided when loaded; the
+//!    files being read are listed in the [`inflight`] journal, for the next start if the
+//!    process dies;
 //! 2. decide ([`ledger`]): the rules turn the batch's observations into a [`ledger::Plan`];
 //! 3. featurise ([`featurise`]): a thread of its own turns the plan's recordings into rows, a
 //!    batch at a time through the featuriser's pipelined `submit`/`finish` (large batches in
@@ -16,6 +19,8 @@
 
 pub mod commit;
 pub mod featurise;
+pub mod inflight;
+pub mod lane;
 pub mod ledger;
 pub mod manifest;
 pub mod outcome;
@@ -124,6 +129,10 @@ pub struct Engine {
     shard: crate::shard::Shard,
     /// Files of the batch being submitted that belong to other shards.
     other_shards: Arc<std::sync::atomic::AtomicUsize>,
+    /// Which files are being read, for the next start if this process dies.
+    journal: Arc<inflight::Journal>,
+    /// Large files, loaded apart from the batches.
+    lane: lane::Lane,
 }
 
 impl Engine {
@@ -327,6 +336,13 @@ impl Engine {
         let times = Arc::new(StageTimes::default());
         let device = featuriser.name();
         let shape = featuriser.shape();
+        let journal = inflight::Journal::for_state(&settings.paths.state);
+        let lane = lane::Lane::new(lane::Context {
+            features: settings.features.clone(),
+            shape,
+            times: times.clone(),
+            journal: journal.clone(),
+        });
         let threads = settings.worker_threads();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -432,6 +448,8 @@ impl Engine {
             in_flight: 0,
             shard: crate::shard::Shard::ALL,
             other_shards: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            journal,
+            lane,
         }
     }
 
@@ -456,8 +474,9 @@ impl Engine {
         &self.times
     }
 
+    /// Batches submitted and not yet reported done, and large files still loading.
     pub fn in_flight(&self) -> usize {
-        self.in_flight
+        self.in_flight + self.lane.pending()
     }
 
     /// Settings that may change while running (SIGHUP); the rest need a restart.
@@ -466,17 +485,34 @@ impl Engine {
     }
 
     /// Load, decide and hand one batch on. Returns once the batch is queued for featurising
-    /// (waits while the queue is full).
+    /// (waits while the queue is full). Large files ([`stages::LANE_ABOVE`]) go to the lane and
+    /// are decided when they are loaded, in a later batch.
     pub fn submit(&mut self, inputs: Vec<Input>) -> anyhow::Result<()> {
         if inputs.is_empty() {
             return Ok(());
         }
+        if self.lane.pending() > 0 {
+            for input in &inputs {
+                match input {
+                    Input::Load { rel, .. } => self.lane.supersede(rel, false),
+                    Input::Observe(Observation::FolderGone(folder)) => {
+                        self.lane.supersede(folder, true)
+                    }
+                    Input::Observe(o) => self.lane.supersede(o.rel(), false),
+                }
+            }
+        }
+        let mut observations: Vec<Observation> = Vec::with_capacity(inputs.len());
+        self.take_lane(None, &mut observations);
+        let inputs = self.screen(inputs, &mut observations)?;
         let root = self.settings.paths.recordings.clone();
         let features = &self.settings.features;
         let shape = &self.shape;
         let times = &*self.times;
         let shard = self.shard;
         let other = &*self.other_shards;
+        let journal = &*self.journal;
+        let lane = &mut self.lane;
         let load = |input: OpenedInput| {
             let o = match input {
                 OpenedInput::Load { rel, seen, file } => {
@@ -484,23 +520,8 @@ impl Engine {
                 }
                 OpenedInput::Observe(o) => o,
             };
-            let mine = match &o {
-                Observation::Loaded(outcome::Loaded {
-                    load: outcome::Load::OtherShard,
-                    ..
-                }) => false,
-                Observation::Loaded(outcome::Loaded {
-                    load: outcome::Load::Read { .. },
-                    ..
-                }) => true,
-                _ => shard.owns_unhashable(),
-            };
-            if !mine {
-                other.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-            mine.then_some(o)
+            keep(shard, other, o)
         };
-        let mut observations: Vec<Observation> = Vec::with_capacity(inputs.len());
         let mut inputs = inputs.into_iter().peekable();
         self.pool.install(|| {
             while inputs.peek().is_some() {
@@ -523,9 +544,120 @@ impl Engine {
                         Input::Observe(o) => OpenedInput::Observe(o),
                     })
                     .collect();
-                observations.par_extend(opened.into_par_iter().filter_map(load));
+                // Large files to their lane; the others are listed in the in-flight journal
+                // while they are read.
+                let mut group = Vec::with_capacity(opened.len());
+                let mut reading = Vec::new();
+                for o in opened {
+                    let o = match o {
+                        OpenedInput::Load {
+                            rel,
+                            seen,
+                            file: Ok((file, meta)),
+                        } if meta.len() > stages::LANE_ABOVE => {
+                            lane.send(lane::Job {
+                                rel,
+                                seen,
+                                file,
+                                meta,
+                                shard,
+                            });
+                            continue;
+                        }
+                        o => o,
+                    };
+                    if let OpenedInput::Load {
+                        rel,
+                        file: Ok((_, meta)),
+                        ..
+                    } = &o
+                    {
+                        reading.push(inflight::Entry::new(rel, meta, 0));
+                    }
+                    group.push(o);
+                }
+                let _reading = journal.reading(inflight::Slot::Batch, reading);
+                observations.par_extend(group.into_par_iter().filter_map(load));
             }
         });
+        self.dispatch(observations)
+    }
+
+    /// Inputs as the in-flight journal and the manifest judge them: a file that made ailhd stop
+    /// twice in a row is quarantined without being read (the first time) or left alone (it is
+    /// quarantined already, and has not changed); a suspect is read alone, now. Returns the
+    /// inputs to load as usual.
+    fn screen(
+        &mut self,
+        inputs: Vec<Input>,
+        observations: &mut Vec<Observation>,
+    ) -> anyhow::Result<Vec<Input>> {
+        let root = &self.settings.paths.recordings;
+        let mut rest = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            let Input::Load { rel, seen } = input else {
+                rest.push(input);
+                continue;
+            };
+            let recorded = self.ledger.recorded(&*self.manifest, &rel)?;
+            let set_aside = recorded.as_ref().is_some_and(|r| {
+                r.quarantine
+                    .as_ref()
+                    .is_some_and(|q| q.kind == outcome::STOPPED_WHILE_READING)
+            });
+            let verdicts = self.journal.has_verdicts();
+            if !set_aside && !verdicts {
+                rest.push(Input::Load { rel, seen });
+                continue;
+            }
+            let Ok(meta) = std::fs::symlink_metadata(root.join(&rel)) else {
+                rest.push(Input::Load { rel, seen });
+                continue;
+            };
+            if let Some(r) = recorded.filter(|_| set_aside) {
+                if r.size == meta.len() && r.mtime_ns == stages::mtime_ns(&meta) {
+                    continue; // quarantined as it is: not read again
+                }
+            }
+            match self.journal.verdict(&rel, &meta) {
+                inflight::Verdict::Ordinary => rest.push(Input::Load { rel, seen }),
+                inflight::Verdict::Poison { deaths } => {
+                    let o = Observation::Rejected {
+                        rel,
+                        reason: inflight::reason(deaths),
+                        size: meta.len(),
+                        mtime_ns: stages::mtime_ns(&meta),
+                    };
+                    observations.extend(keep(self.shard, &self.other_shards, o));
+                }
+                inflight::Verdict::Suspect { deaths } => {
+                    let file = stages::open(root, &rel, &self.times);
+                    let entry = match &file {
+                        Ok((_, meta)) => inflight::Entry::new(&rel, meta, deaths),
+                        Err(_) => inflight::Entry::new(&rel, &meta, deaths),
+                    };
+                    log::info!("reading {rel} alone (ailhd stopped while reading it)");
+                    let o = {
+                        let _alone = self.journal.reading_alone(entry);
+                        stages::load(
+                            file,
+                            rel,
+                            seen,
+                            &self.settings.features,
+                            &self.shape,
+                            &self.times,
+                            self.shard,
+                        )
+                    };
+                    observations.extend(keep(self.shard, &self.other_shards, o));
+                }
+            }
+        }
+        Ok(rest)
+    }
+
+    /// Decide `observations` and hand the plan on.
+    fn dispatch(&mut self, observations: Vec<Observation>) -> anyhow::Result<()> {
         let t = Instant::now();
         let mut plan = self.ledger.decide(&*self.manifest, observations)?;
         plan.other_shards = self
@@ -543,8 +675,42 @@ impl Engine {
         Ok(())
     }
 
+    /// The lane's results ready now (and `first`, one just received), into `observations`.
+    /// Returns whether any result counted (to be decided, even if left to another shard).
+    fn take_lane(
+        &mut self,
+        first: Option<lane::Finished>,
+        observations: &mut Vec<Observation>,
+    ) -> bool {
+        let mut taken: Vec<Observation> =
+            first.and_then(|f| self.lane.take(f)).into_iter().collect();
+        if self.lane.pending() > 0 {
+            taken.extend(self.lane.ready());
+        }
+        let any = !taken.is_empty();
+        observations.extend(
+            taken
+                .into_iter()
+                .filter_map(|o| keep(self.shard, &self.other_shards, o)),
+        );
+        any
+    }
+
+    /// Decide and hand on what the lane has loaded (`first`, and whatever else is ready).
+    fn dispatch_lane(&mut self, first: Option<lane::Finished>) -> anyhow::Result<()> {
+        if first.is_none() && self.lane.pending() == 0 {
+            return Ok(());
+        }
+        let mut observations = Vec::new();
+        if self.take_lane(first, &mut observations) {
+            self.dispatch(observations)?;
+        }
+        Ok(())
+    }
+
     /// Batches made durable since the last call, without waiting. An error here stops the engine.
     pub fn completed(&mut self) -> anyhow::Result<Vec<Done>> {
+        self.dispatch_lane(None)?;
         let mut out = Vec::new();
         while let Ok(r) = self.done.try_recv() {
             self.in_flight -= 1;
@@ -553,19 +719,31 @@ impl Engine {
         Ok(out)
     }
 
-    /// Wait until every submitted batch is durable.
+    /// Wait until every submitted batch is durable (large files on the lane too).
     pub fn wait(&mut self) -> anyhow::Result<Vec<Done>> {
         let mut out = Vec::new();
-        while self.in_flight > 0 {
-            match self.done.recv() {
-                Ok(r) => {
-                    self.in_flight -= 1;
-                    out.push(r?);
+        loop {
+            self.dispatch_lane(None)?;
+            if self.in_flight == 0 && self.lane.pending() == 0 {
+                return Ok(out);
+            }
+            let lane = self.lane.results().clone();
+            let done = self.done.clone();
+            crossbeam_channel::select! {
+                recv(done) -> r => match r {
+                    Ok(r) => {
+                        self.in_flight -= 1;
+                        out.push(r?);
+                    }
+                    Err(_) => return Err(self.stopped()),
+                },
+                recv(lane) -> f => {
+                    if let Ok(f) = f {
+                        self.dispatch_lane(Some(f))?;
+                    }
                 }
-                Err(_) => return Err(self.stopped()),
             }
         }
-        Ok(out)
     }
 
     /// Why the engine stopped: the failing stage's own error, its types kept (so that a caller
@@ -703,6 +881,30 @@ fn open_or_set_aside(dir: &Path) -> anyhow::Result<Manifest> {
     }
 }
 
+/// Whether an observation is this engine's shard's (files left to other shards are counted and
+/// dropped).
+fn keep(
+    shard: crate::shard::Shard,
+    other: &std::sync::atomic::AtomicUsize,
+    o: Observation,
+) -> Option<Observation> {
+    let mine = match &o {
+        Observation::Loaded(outcome::Loaded {
+            load: outcome::Load::OtherShard,
+            ..
+        }) => false,
+        Observation::Loaded(outcome::Loaded {
+            load: outcome::Load::Read { .. },
+            ..
+        }) => true,
+        _ => shard.owns_unhashable(),
+    };
+    if !mine {
+        other.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    mine.then_some(o)
+}
+
 fn done_of(plan: Plan) -> Done {
     let now = Instant::now();
     Done {
@@ -824,6 +1026,91 @@ mod tests {
         fn finish(&mut self) -> anyhow::Result<Option<Vec<f16>>> {
             Ok(None)
         }
+    }
+
+    /// A WAV of `len` bytes (a hole after its header: silence, no disk used).
+    fn sparse_wav(path: &Path, len: u64) {
+        let mut h = crate::synth::wav_pcm16(&[0; 2], 4096);
+        h.truncate(44);
+        h[4..8].copy_from_slice(&((len - 8) as u32).to_le_bytes());
+        h[40..44].copy_from_slice(&((len - 44) as u32).to_le_bytes());
+        std::fs::write(path, &h).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+    }
+
+    /// A large file goes to its lane: the recordings of its batch are decided and committed
+    /// without waiting for it, it follows in a batch of its own; and a later input about its
+    /// path (here its removal) makes the lane's result stale.
+    #[test]
+    fn a_large_file_does_not_hold_up_its_batch_and_the_last_input_of_a_path_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Settings::in_folder(dir.path());
+        let leak = s.paths.recordings.join("LEAK");
+        std::fs::create_dir_all(&leak).unwrap();
+        sparse_wav(&leak.join("big.wav"), stages::LANE_ABOVE + (4 << 20));
+        sparse_wav(&leak.join("big2.wav"), stages::LANE_ABOVE + (6 << 20));
+        let mut inputs = vec![Input::Load {
+            rel: "LEAK/big.wav".into(),
+            seen: None,
+        }];
+        for i in 0..3 {
+            let name = crate::synth::file_name(i, 1);
+            let samples = crate::synth::clip("LEAK", i as u64, 4096, 10.0);
+            std::fs::write(leak.join(&name), crate::synth::wav_pcm16(&samples, 4096)).unwrap();
+            inputs.push(Input::Load {
+                rel: format!("LEAK/{name}"),
+                seen: None,
+            });
+        }
+        let mut engine = Engine::open_live(&s, DeviceChoice::Cpu).unwrap();
+        engine.submit(inputs).unwrap();
+        assert_eq!(
+            engine.in_flight(),
+            2,
+            "the batch, and the large file on its lane"
+        );
+        let mut done = Vec::new();
+        while done.is_empty() {
+            done = engine.completed().unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            done[0].counts.new_rows, 3,
+            "the batch went without the large file"
+        );
+        done.extend(engine.wait().unwrap());
+        let rows: usize = done.iter().map(|d| d.counts.new_rows).sum();
+        assert_eq!(rows, 4);
+        assert!(engine
+            .manifest()
+            .get_file("LEAK/big.wav")
+            .unwrap()
+            .is_some());
+
+        engine
+            .submit(vec![Input::Load {
+                rel: "LEAK/big2.wav".into(),
+                seen: None,
+            }])
+            .unwrap();
+        engine
+            .submit(vec![Input::Observe(Observation::Gone(
+                "LEAK/big2.wav".into(),
+            ))])
+            .unwrap();
+        engine.wait().unwrap();
+        assert_eq!(engine.in_flight(), 0);
+        assert!(engine
+            .manifest()
+            .get_file("LEAK/big2.wav")
+            .unwrap()
+            .is_none());
+        assert_eq!(engine.manifest().rows().unwrap().iter().sum::<u64>(), 4);
     }
 
     /// Whichever call meets the stopped engine (the next submit or the wait), its error is the

@@ -54,6 +54,14 @@ pub enum Load {
     Unreadable(String),
     /// Read and hashed, and left to another shard (`rebuild --shard`): not decoded.
     OtherShard,
+    /// Not usable, as its header alone shows: a file too large to read whole
+    /// ([`crate::engine::stages::STREAM_ABOVE`]) is not read past its header when that says it
+    /// is no WAV (1.5 GB of zeros named `.wav`), so it has no content hash.
+    Rejected {
+        size: u64,
+        mtime_ns: i64,
+        reason: Reason,
+    },
     /// Read and hashed; decoded, or why not.
     Read {
         size: u64,
@@ -78,9 +86,17 @@ pub enum Reason {
         after_s: u64,
         detail: DecodeError,
     },
+    /// ailhd stopped (crashed, aborted, was killed) while reading this file, `deaths` times in a
+    /// row, the last time while reading it alone (see [`crate::engine::inflight`]).
+    StoppedWhileReading {
+        deaths: u32,
+    },
     /// Recorded by an older version of ailhd (text only).
     Recorded(StoredReason),
 }
+
+/// [`Reason::kind`] of [`Reason::StoppedWhileReading`].
+pub const STOPPED_WHILE_READING: &str = "stopped_while_reading";
 
 impl Reason {
     /// A stable name for the kind of problem (metrics labels, tests).
@@ -94,6 +110,7 @@ impl Reason {
             Reason::Decode(_) => "decode",
             Reason::Placement(_) => "placement",
             Reason::StillIncomplete { .. } => "incomplete",
+            Reason::StoppedWhileReading { .. } => STOPPED_WHILE_READING,
             Reason::Recorded(r) => &r.kind,
         }
     }
@@ -126,6 +143,16 @@ impl std::fmt::Display for Reason {
                     "still incomplete {after_s} s after its last change: {detail}"
                 )
             }
+            Reason::StoppedWhileReading { deaths } => write!(
+                f,
+                "ailhd stopped {} in a row while reading it (a crash, an abort or a kill, out of \
+                 memory say); not retried until its bytes change (touch or replace the file to \
+                 retry it)",
+                match deaths {
+                    2 => "twice".to_string(),
+                    n => format!("{n} times"),
+                }
+            ),
             Reason::Recorded(r) => write!(f, "{}", r.text),
         }
     }

@@ -3,7 +3,7 @@
 //! stops a batch because one file is bad.
 
 use crate::config::{FeatureSettings, FeatureShape};
-use crate::decode::{FileBytes, Waveform};
+use crate::decode::{self, FileBytes, Streamed, Waveform};
 use crate::engine::outcome::{Load, Loaded, Observation, Reason};
 use crate::identity;
 use std::path::Path;
@@ -49,22 +49,41 @@ pub fn mtime_ns(meta: &std::fs::Metadata) -> i64 {
 /// A file of a batch, opened and its reading started ([`open`]), or why it could not be opened.
 pub type Opened = std::io::Result<(std::fs::File, std::fs::Metadata)>;
 
+/// Files above this size are read in pieces ([`crate::decode::stream_file`]): memory per
+/// recording stays bounded whatever the file's size (the pieces' buffer and the samples a row
+/// needs). A file at most this size (an ordinary 10 s clip is 80 KB) is read whole into a pooled
+/// sample buffer and, 16-bit mono at the rate, decoded where it was read.
+pub const STREAM_ABOVE: u64 = 1 << 20;
+
+/// Files above this size are loaded on a lane of their own ([`crate::engine::lane`]), so that the
+/// recordings of a batch do not wait for their hash (about 1 s for 1.5 GB).
+pub const LANE_ABOVE: u64 = 64 << 20;
+
 /// Open a file to load and ask the kernel to read it ahead (`POSIX_FADV_WILLNEED`, which
 /// returns at once): a batch's files are all opened this way before any is read. The file is
 /// also marked as read once (`POSIX_FADV_NOREUSE`, Linux 6.3 and later): its cached pages are
 /// not promoted on the kernel's LRU lists, bookkeeping that cost about 5% of a rebuild's CPU
-/// time (perf, 39,563 clips) and buys nothing, as ingest reads each recording once.
+/// time (perf, 39,563 clips) and buys nothing, as ingest reads each recording once. A file read
+/// in pieces is read ahead only as far as a piece goes, and marked as read in order
+/// (`POSIX_FADV_SEQUENTIAL`): the whole of a 1.5 GB file is not asked for at once.
 pub fn open(root: &Path, rel: &str, times: &StageTimes) -> Opened {
     let t = Instant::now();
     let opened = (|| {
         let f = std::fs::File::open(root.join(rel))?;
         let meta = f.metadata()?;
         use std::os::fd::AsRawFd;
-        // SAFETY: a plain system call on an open descriptor; only advice, so its result is not
-        // needed.
+        // SAFETY: plain system calls on an open descriptor; only advice, so their results are
+        // not needed.
         unsafe {
-            libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED);
-            libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_NOREUSE);
+            let fd = f.as_raw_fd();
+            if meta.len() > STREAM_ABOVE {
+                libc::posix_fadvise(fd, 0, 0, libc::POSIX_FADV_SEQUENTIAL);
+                let ahead = crate::decode::STREAM_PIECE as libc::off_t;
+                libc::posix_fadvise(fd, 0, ahead, libc::POSIX_FADV_WILLNEED);
+            } else {
+                libc::posix_fadvise(fd, 0, 0, libc::POSIX_FADV_WILLNEED);
+            }
+            libc::posix_fadvise(fd, 0, 0, libc::POSIX_FADV_NOREUSE);
         }
         Ok((f, meta))
     })();
@@ -84,11 +103,26 @@ pub fn load(
     times: &StageTimes,
     shard: crate::shard::Shard,
 ) -> Observation {
+    fail_while_reading(&rel);
     Observation::Loaded(Loaded {
         load: load_file(file, features, shape, times, shard),
         rel,
         seen,
     })
+}
+
+/// Test builds (feature `failpoints`): `FAILPOINTS=load-file=return(REL)` aborts the process
+/// while it reads the recording at the relative path REL, as a crash in a decoder or an
+/// out-of-memory kill would (tests/poison.rs).
+fn fail_while_reading(rel: &str) {
+    (|| {
+        fail::fail_point!("load-file", |target: Option<String>| {
+            if target.as_deref() == Some(rel) {
+                log::error!("fail point load-file: aborting while reading {rel}");
+                std::process::abort();
+            }
+        });
+    })();
 }
 
 fn load_file(
@@ -98,6 +132,11 @@ fn load_file(
     times: &StageTimes,
     shard: crate::shard::Shard,
 ) -> Load {
+    if let Ok((f, meta)) = &file {
+        if meta.len() > STREAM_ABOVE {
+            return load_streaming(f, meta, features, shape, times, shard);
+        }
+    }
     let t = Instant::now();
     // Read into a sample buffer of the decoder's pool: a 16-bit mono file at the target rate
     // becomes its waveform where it was read (decode::FileBytes). Bounded by the size the file
@@ -106,8 +145,7 @@ fn load_file(
     StageTimes::add(&times.read, t);
     let (bytes, meta) = match read {
         Ok(r) => r,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Load::Vanished,
-        Err(e) => return Load::Unreadable(e.to_string()),
+        Err(e) => return unread(e),
     };
     let t = Instant::now();
     let hash = identity::content_hash(bytes.bytes());
@@ -130,6 +168,62 @@ fn load_file(
         mtime_ns: mtime_ns(&meta),
         hash,
         decoded,
+    }
+}
+
+fn unread(e: std::io::Error) -> Load {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        Load::Vanished
+    } else {
+        Load::Unreadable(e.to_string())
+    }
+}
+
+/// [`load_file`] of a file above [`STREAM_ABOVE`]: one pass in pieces, hashing as they pass and
+/// decoding only what the row needs; a file whose header says it is not usable is not read
+/// further (and has no hash). Its time counts as reading (hashing and decoding go with it).
+fn load_streaming(
+    f: &std::fs::File,
+    meta: &std::fs::Metadata,
+    features: &FeatureSettings,
+    shape: &FeatureShape,
+    times: &StageTimes,
+    shard: crate::shard::Shard,
+) -> Load {
+    let t = Instant::now();
+    let streamed = decode::stream_file(f, meta.len(), features.sample_rate, shape.num_samples);
+    StageTimes::add(&times.read, t);
+    match streamed {
+        Err(e) => unread(e),
+        Ok(Streamed::BadHeader(e)) => Load::Rejected {
+            size: meta.len(),
+            mtime_ns: mtime_ns(meta),
+            reason: Reason::Decode(e),
+        },
+        Ok(Streamed::Read {
+            len, hash, wave, ..
+        }) => {
+            if !shard.contains(&hash) {
+                if let Ok(w) = wave {
+                    w.recycle();
+                }
+                return Load::OtherShard;
+            }
+            let decoded = if len != meta.len() {
+                if let Ok(w) = wave {
+                    w.recycle();
+                }
+                Err(Reason::ChangedWhileRead)
+            } else {
+                wave.map_err(Reason::Decode)
+            };
+            Load::Read {
+                size: len,
+                mtime_ns: mtime_ns(meta),
+                hash,
+                decoded,
+            }
+        }
     }
 }
 

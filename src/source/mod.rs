@@ -14,7 +14,6 @@ use crate::decode::{self, DecodeError};
 use crate::engine::outcome::Reason;
 use settle::Probe;
 use std::fs::{File, FileType};
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 /// What the source found at a path.
@@ -98,9 +97,6 @@ pub fn scan(root: &Path) -> anyhow::Result<Vec<Found>> {
     Ok(found)
 }
 
-/// Above this size only the header's parts are read.
-const WHOLE_READ: u64 = 64 << 10;
-
 /// What the settle stage needs to know about a file now: size, mtime, and whether its header
 /// agrees with the size. Reads the chunk headers, the fmt chunk and a few bytes around the end
 /// of the audio (what [`decode::parse_header`] looks at), not the audio. A file that cannot be
@@ -131,49 +127,10 @@ pub fn probe(root: &Path, rel: &Path) -> Probe {
     }
 }
 
-/// The header's verdict for a file of `len` bytes, reading only what the parser looks at (the
-/// rest of a zero-filled buffer of the file's length stands in for the audio). Err: I/O failed.
+/// The header's verdict for a file of `len` bytes, reading only what the parser looks at
+/// (whatever the file's size). Err: I/O failed.
 fn header_of(file: &File, len: u64) -> std::io::Result<Result<(), DecodeError>> {
-    if len > 1 << 30 {
-        return Ok(Ok(())); // not a clip: let the decoder say what it is
-    }
-    let mut buf = vec![0u8; len as usize];
-    let fill = |buf: &mut Vec<u8>, from: u64, n: u64| -> std::io::Result<()> {
-        let end = from.saturating_add(n).min(len);
-        if from < end {
-            file.read_exact_at(&mut buf[from as usize..end as usize], from)?;
-        }
-        Ok(())
-    };
-    if len <= WHOLE_READ {
-        fill(&mut buf, 0, len)?;
-        return Ok(decode::parse_header(&buf).map(drop));
-    }
-    fill(&mut buf, 0, 4096)?;
-    let mut pos = 12u64;
-    while pos + 8 <= len {
-        fill(&mut buf, pos, 8)?;
-        let at = pos as usize;
-        let id = [buf[at], buf[at + 1], buf[at + 2], buf[at + 3]];
-        let size = u64::from(u32::from_le_bytes([
-            buf[at + 4],
-            buf[at + 5],
-            buf[at + 6],
-            buf[at + 7],
-        ]));
-        let body = pos + 8;
-        if &id == b"fmt " {
-            fill(&mut buf, body, size.min(4096))?;
-        }
-        if &id == b"data" {
-            fill(&mut buf, body, 16)?;
-            let end = body + size;
-            fill(&mut buf, end.saturating_sub(1), 24)?;
-            break;
-        }
-        pos = body + size + (size & 1);
-    }
-    Ok(decode::parse_header(&buf).map(drop))
+    Ok(decode::parse_file_header(file, len)?.map(drop))
 }
 
 #[cfg(test)]
