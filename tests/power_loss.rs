@@ -10,7 +10,8 @@
 //! - a reader's view: an SWMR reader in this process samples `committed_rows` and every row
 //!   below it (`blake3`, `source_path`, `valid`) all along; no row it saw may change or
 //!   disappear, and `committed_rows` never goes down, whatever happens to the service or the
-//!   disk (checked until the cut, and again once the restarted service is up);
+//!   disk (through kills and EIO all along; across a power cut, once the restarted service
+//!   has settled: until it has recovered, the disk holds only what was durable);
 //! - after a power cut: the service starts by itself; once it has settled (every recording
 //!   committed, the files closed while idle) h5py opens every split plainly with exactly
 //!   `committed_rows` rows, the outputs hold one row per recording (nothing duplicated) and equal
@@ -775,8 +776,9 @@ impl Rig {
         self.fs.is_off()
     }
 
-    /// After a cut: the service starts by itself; the rows a reader saw are all there and
-    /// unchanged (`keep_rows`); once settled, plain readers open every split, one row per
+    /// After a cut: the service starts by itself; once it has settled (every recording
+    /// committed, the files closed while idle) the rows the reader saw before the cut are all
+    /// there unchanged (`keep_rows`), plain readers open every split, there is one row per
     /// recording, and the outputs equal a rebuild. False if the service could not be started.
     fn restart_and_check(&mut self, what: &str, keep_rows: bool) -> bool {
         let files = self.feed.count();
@@ -789,18 +791,21 @@ impl Rig {
                 return false;
             }
         }
-        if keep_rows {
-            for v in look(&self.world.out(), &mut self.seen) {
-                self.checks
-                    .fail(format!("{what}: once the service is up again: {v}"));
-            }
-        }
         let settled = wait(
             self.svc(),
             "every recording committed and the outputs closed while idle",
             Duration::from_secs(120),
             settled(files),
         );
+        // The rows the reader saw before the cut, once the service has recovered and settled
+        // (between the power's return and the recovery, the disk holds only what was durable:
+        // no service can keep a reader from seeing that).
+        if keep_rows {
+            for v in look(&self.world.out(), &mut self.seen) {
+                self.checks
+                    .fail(format!("{what}: once the service is up again: {v}"));
+            }
+        }
         match settled {
             Ok(_) => {
                 let r = plain_readers(&self.world, files);
