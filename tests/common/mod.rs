@@ -2,6 +2,7 @@
 //! the shared fixtures, and Python readers (h5py, numpy) as users run them.
 #![allow(dead_code)]
 
+pub mod faultfs;
 pub mod service;
 
 use std::path::{Path, PathBuf};
@@ -39,31 +40,42 @@ pub fn cases() -> serde_json::Value {
 pub struct World {
     pub dir: tempfile::TempDir,
     pub config: PathBuf,
+    out: PathBuf,
+    state: PathBuf,
 }
 
 impl World {
     pub fn new(extra_toml: &str) -> World {
+        World::with_paths(extra_toml, "out", "state")
+    }
+    /// A world whose output and state folders are `out` and `state` under its root (say, on a
+    /// file system mounted there).
+    pub fn with_paths(extra_toml: &str, out: &str, state: &str) -> World {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
         std::fs::create_dir_all(root.join("rec")).unwrap();
         let config = root.join("ailhd.toml");
+        let (out, state) = (root.join(out), root.join(state));
         let text = format!(
-            "[paths]\nrecordings = {:?}\noutput = {:?}\nstate = {:?}\n{extra_toml}\n",
+            "[paths]\nrecordings = {:?}\noutput = {out:?}\nstate = {state:?}\n{extra_toml}\n",
             root.join("rec"),
-            root.join("out"),
-            root.join("state")
         );
         std::fs::write(&config, text).unwrap();
-        World { dir, config }
+        World {
+            dir,
+            config,
+            out,
+            state,
+        }
     }
     pub fn rec(&self) -> PathBuf {
         self.dir.path().join("rec")
     }
     pub fn out(&self) -> PathBuf {
-        self.dir.path().join("out")
+        self.out.clone()
     }
     pub fn state(&self) -> PathBuf {
-        self.dir.path().join("state")
+        self.state.clone()
     }
     pub fn cmd(&self, args: &[&str]) -> Command {
         let mut c = Command::new(bin());
