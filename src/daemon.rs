@@ -417,6 +417,27 @@ struct Fault {
     error: String,
     /// The next attempt to reopen the outputs.
     retry_at: Instant,
+    /// Writing failed (not the featuriser): the disk is probed every second ([`disk_answers`]),
+    /// and the next attempt comes as soon as a probe that failed succeeds again, not only at
+    /// `retry_at` (which grows to 30 s while attempts fail).
+    disk: bool,
+    /// A probe failed since the last attempt.
+    probe_failed: bool,
+}
+
+/// Whether the output and state folders take a small synced write now: a probe file written,
+/// synced and removed in each.
+fn disk_answers(settings: &Settings) -> bool {
+    [&settings.paths.output, &settings.paths.state]
+        .iter()
+        .all(|dir| {
+            let probe = dir.join(".ailhd-probe");
+            let ok = std::fs::write(&probe, b"probe")
+                .and_then(|()| std::fs::File::open(&probe)?.sync_all())
+                .is_ok();
+            let _ = std::fs::remove_file(&probe);
+            ok
+        })
 }
 
 /// The ingest worker: drives the engine, closes it when idle, and rides out write failures.
@@ -438,6 +459,8 @@ struct Worker {
     reconciling: Option<std::thread::JoinHandle<()>>,
     /// A rescan was asked for while one ran: run another when it ends.
     rescan_again: bool,
+    /// When the disk was last probed while writing failed.
+    last_probe: Instant,
     fault: Option<Fault>,
     /// Failures since the last batch committed: the backoff grows with them.
     failures: u32,
@@ -518,6 +541,8 @@ impl Worker {
             since_ms,
             error,
             retry_at: Instant::now() + wait,
+            disk: metric == "write",
+            probe_failed: false,
         });
         // Roll back: what is in flight is dropped (its sinks cut to their committed rows, as
         // far as the disk lets them; the next open does the rest). The recovery rescans.
@@ -787,6 +812,7 @@ fn worker_loop(
         snapshot_failing: false,
         reconciling: None,
         rescan_again: false,
+        last_probe: Instant::now(),
         fault: None,
         failures: 0,
         dropped: 0,
@@ -819,10 +845,18 @@ fn worker_loop(
         {
             w.start_reconcile();
         }
-        if w.fault
-            .as_ref()
-            .is_some_and(|f| Instant::now() >= f.retry_at)
-        {
+        let due = match &mut w.fault {
+            Some(f) if Instant::now() >= f.retry_at => true,
+            Some(f) if f.disk && w.last_probe.elapsed() >= Duration::from_secs(1) => {
+                w.last_probe = Instant::now();
+                let answers = disk_answers(&w.settings);
+                let back = answers && f.probe_failed;
+                f.probe_failed = !answers;
+                back
+            }
+            _ => false,
+        };
+        if due {
             w.retry();
         }
         let first = match deferred.pop_front() {

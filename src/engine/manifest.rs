@@ -248,6 +248,22 @@ fn open_db(dir: &Path) -> Result<sled::Db, sled::Error> {
     }
 }
 
+/// Make a folder sled just created durable: its files' contents, its entries, and its own entry
+/// in its parent.
+fn sync_new_folder(dir: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        if entry.file_type()?.is_file() {
+            std::fs::File::open(entry.path())?.sync_all()?;
+        }
+    }
+    std::fs::File::open(dir)?.sync_all()?;
+    match dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(parent) => std::fs::File::open(parent)?.sync_all(),
+        None => Ok(()),
+    }
+}
+
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -263,7 +279,16 @@ impl Manifest {
             path: path.clone(),
             source,
         };
+        let created = !dir.exists();
+        for file in ["db", "conf"] {
+            crate::output::take_stale_write_error(&dir.join(file));
+        }
         let db = open_db(dir).map_err(db_err)?;
+        if created {
+            // sled syncs what it writes into its files, not the folder entries that name them:
+            // without this, a power cut soon after the first start can lose the whole manifest.
+            sync_new_folder(dir).map_err(|e| db_err(sled::Error::Io(e)))?;
+        }
         let files = db.open_tree("files").map_err(db_err)?;
         let content = db.open_tree("content").map_err(db_err)?;
         let meta = db.open_tree("meta").map_err(db_err)?;

@@ -240,7 +240,7 @@ pub fn adopt_tail(settings: &Settings, manifest: &Manifest) -> Result<Option<Ado
             if !path.exists() {
                 continue;
             }
-            let mut f = SwmrSplit::open(&path)?;
+            let mut f = open_split(&path)?;
             least = least.min(f.refresh()?);
             if label_names.is_none() {
                 label_names = Some(f.label_names()?);
@@ -431,9 +431,20 @@ pub fn adopt_tail(settings: &Settings, manifest: &Manifest) -> Result<Option<Ado
     Ok(Some(found))
 }
 
+/// One split's HDF5 file, opened to read it as a recovery does: a file whose writer was killed
+/// during a plain (not SWMR) open has status flags that refuse every reader; they are cleared
+/// first (the caller holds the writer lock).
+fn open_split(path: &Path) -> Result<SwmrSplit> {
+    SwmrSplit::open(path).or_else(|first| {
+        log::warn!("{first:#}; clearing HDF5's status flags (its last writer was killed)");
+        crate::output::hdf5::clear_status_flags(path)?;
+        SwmrSplit::open(path)
+    })
+}
+
 /// The identity columns of one split's HDF5 file (`blake3` and `source_path` from row `from`).
 fn read_hdf5(path: &Path, from: u64) -> Result<(Vec<String>, Identity)> {
-    let mut f = SwmrSplit::open(path)?;
+    let mut f = open_split(path)?;
     let labels = f.label_names()?;
     let n = f.refresh()?;
     let from = from.min(n);

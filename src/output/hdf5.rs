@@ -265,6 +265,7 @@ impl Hdf5Sink {
         if !path.exists() {
             bail!("{}: no such file", path.display());
         }
+        super::take_stale_write_error(path);
         let file = match open_rw(path, header, false) {
             Ok(f) => f,
             // HDF5's "file is already open for write (may use <h5clear file> ...)", or "file is
@@ -956,6 +957,33 @@ fn open_rw(path: &Path, header: &OutputHeader, clear_flags: bool) -> Result<File
         hdf5::from_id::<File>(id)
     })
     .with_context(|| format!("{}: opening HDF5 file for appending", path.display()))
+}
+
+/// Clear the superblock's "open for write" status flags a killed writer left (`h5clear -s`),
+/// so that readers open the file again: a writer killed while it had the file open without SWMR
+/// (a recovery's plain open) leaves flags that SWMR readers refuse too ("file is not already
+/// open for SWMR writing"). Only for the holder of the writer lock (see [`Hdf5Sink::open_append`]).
+pub fn clear_status_flags(path: &Path) -> Result<()> {
+    let fapl = FileAccess::build()
+        .libver_bounds(LibraryVersion::V110, LibraryVersion::V110)
+        .file_locking(false)
+        .finish()?;
+    let name = CString::new(path.as_os_str().as_encoded_bytes())
+        .with_context(|| format!("{}: path contains a NUL byte", path.display()))?;
+    let prop = CString::new(CLEAR_STATUS_FLAGS).unwrap();
+    let file = hdf5::sync::sync(|| unsafe {
+        let mut yes = true;
+        hdf5::h5check(H5Pset(
+            fapl.id(),
+            prop.as_ptr(),
+            &mut yes as *mut bool as *mut c_void,
+        ))?;
+        let id = hdf5::h5check(H5Fopen(name.as_ptr(), H5F_ACC_RDWR, fapl.id()))?;
+        hdf5::from_id::<File>(id)
+    })
+    .with_context(|| format!("{}: clearing HDF5's status flags", path.display()))?;
+    file.close()
+        .with_context(|| format!("{}: clearing HDF5's status flags", path.display()))
 }
 
 /// The attributes rewritten by [`Hdf5Sink::set_labels`] (fixed-length, see the module notes).

@@ -122,6 +122,23 @@ pub trait SplitSink: Send {
     fn close(self: Box<Self>) -> anyhow::Result<()>;
 }
 
+/// Before a file is opened again after a write failure: take the error the kernel kept for it.
+/// When writing back a file's cached pages fails, Linux reports that once, to the next `fsync`
+/// of the file through any descriptor opened later; it would fail the first sync of the reopen
+/// although the disk works again (and, one file per attempt, hold the service back for minutes).
+/// The pages it concerns were written after the last successful sync: rows and edits never
+/// committed, which the reopen cuts and the comparison with the tree does again.
+pub(crate) fn take_stale_write_error(path: &Path) {
+    if let Ok(f) = std::fs::File::open(path) {
+        if let Err(e) = f.sync_all() {
+            log::info!(
+                "{}: an earlier write failure was reported now ({e}); what it concerned was never committed",
+                path.display()
+            );
+        }
+    }
+}
+
 /// `sync_file_range(SYNC_FILE_RANGE_WRITE)` over the whole file open as `fd`: queue its dirty
 /// pages for writing and return without waiting.
 fn start_writeback(fd: std::os::fd::RawFd, path: &Path) -> anyhow::Result<()> {

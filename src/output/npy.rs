@@ -210,6 +210,9 @@ impl NpySink {
         let mut shapes = Vec::new();
         for spec in columns(header) {
             let path = dir.join(format!("{}.npy", spec.name));
+            if cut {
+                super::take_stale_write_error(&path);
+            }
             let mut file = OpenOptions::new()
                 .read(true)
                 .write(true)
