@@ -425,6 +425,22 @@ struct Fault {
     probe_failed: bool,
 }
 
+/// Replace this process with a fresh image of itself (same PID, arguments and environment):
+/// how the service reopens its HDF5 files after a failed write (see
+/// [`crate::output::hdf5::failed_in_this_process`]). What was not committed is lost as in a
+/// kill, and found again by the start's comparison of the tree with the manifest; descriptors
+/// (the writer locks among them) close on exec. Returns only if the exec fails.
+fn reexec() {
+    use std::os::unix::process::CommandExt;
+    log::warn!(
+        "the disk answers again: restarting the service's process to reopen its HDF5 files (an HDF5 file cannot be reopened safely in a process where writing it failed)"
+    );
+    let e = std::process::Command::new("/proc/self/exe")
+        .args(std::env::args_os().skip(1))
+        .exec();
+    log::error!("cannot restart the process ({e}); reopening in place");
+}
+
 /// Whether the output and state folders take a small synced write now: a probe file written,
 /// synced and removed in each.
 fn disk_answers(settings: &Settings) -> bool {
@@ -516,7 +532,7 @@ impl Worker {
             .downcast_ref::<crate::engine::commit::Unpublished>()
             .is_some()
         {
-            "the batch was recorded and its rows are published when the outputs reopen"
+            "the batch's rows are on disk and the reopen publishes them if the manifest recorded the batch"
         } else {
             "nothing of the batch was recorded"
         };
@@ -561,6 +577,14 @@ impl Worker {
     /// Reopen after a failure; on success, compare the tree with the manifest, which finds
     /// every change dropped meanwhile.
     fn retry(&mut self) {
+        if crate::output::hdf5::failed_in_this_process() {
+            if !disk_answers(&self.settings) {
+                return self.fail(anyhow::anyhow!(
+                    "the output or state folder does not take a synced write yet"
+                ));
+            }
+            reexec();
+        }
         let result = self.open().and_then(|engine| engine.reconcile());
         match result {
             Ok(r) => {

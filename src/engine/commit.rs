@@ -72,12 +72,22 @@ impl Committer {
         // Test builds (feature `failpoints`): a sleep here holds the service between the
         // outputs' prepare and the manifest (tests/daemon.rs kills it there), in a group that
         // appended rows.
-        #[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
         let appends = group
             .iter()
             .any(|f| f.plan.new_rows.iter().any(|r| !r.is_empty()));
         fail::fail_point!("commit-before-manifest", appends, |_| Ok(()));
         StageTimes::add(&self.times.write, t);
+        // From here on the rows are on disk: a failure leaves them there, and the next open
+        // publishes or cuts them by what the manifest holds.
+        self.record_and_publish(group, appends)
+            .map_err(|e| anyhow::Error::new(Unpublished).context(format!("{e:#}")))?;
+        self.committed.store(last.plan.gen, Ordering::Release);
+        Ok(())
+    }
+
+    /// Steps 4 and 5 of the live protocol (see the module notes).
+    #[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
+    fn record_and_publish(&mut self, group: &[Featurised], appends: bool) -> anyhow::Result<()> {
         let t = Instant::now();
         for f in group {
             self.manifest.apply(self.manifest_batch(&f.plan))?;
@@ -87,11 +97,8 @@ impl Committer {
         // The same, between the manifest and the publish.
         fail::fail_point!("commit-before-publish", appends, |_| Ok(()));
         let t = Instant::now();
-        self.outputs
-            .publish()
-            .map_err(|e| anyhow::Error::new(Unpublished).context(format!("{e:#}")))?;
+        self.outputs.publish()?;
         StageTimes::add(&self.times.write, t);
-        self.committed.store(last.plan.gen, Ordering::Release);
         Ok(())
     }
 
@@ -181,10 +188,10 @@ impl Committer {
     }
 }
 
-/// Publishing a group failed after the manifest recorded it: its rows are durable and recorded,
-/// and the outputs publish them when they are opened again.
+/// Recording or publishing a group failed after its rows were made durable: the outputs keep
+/// them, and the next open publishes them if the manifest recorded the group (cuts them if not).
 #[derive(Debug, thiserror::Error)]
-#[error("the batch was recorded; its rows become visible when the outputs are opened again")]
+#[error("the batch's rows are on disk: the reopen makes them visible if the manifest recorded the batch, and cuts them if not")]
 pub struct Unpublished;
 
 /// Free space the service keeps in hand on the output and state folders: a batch is written

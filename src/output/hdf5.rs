@@ -84,6 +84,17 @@ const CHUNK_CACHE_SLOTS: usize = 521;
 /// label names). They are created with twice their first value's length, at least this.
 const LABEL_ATTR_MIN_BYTES: usize = 4096;
 
+/// An HDF5 call on an output failed in this process (see [`failed_in_this_process`]).
+static FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether an HDF5 call on an output file failed in this process. HDF5 keeps an open file's
+/// state in the process, shared by every later open of the same file, and after a failed write
+/// that state can be broken: reopening such a file in the same process has crashed
+/// (SIGSEGV). The service starts a fresh process image instead (see `daemon`).
+pub fn failed_in_this_process() -> bool {
+    FAILED.load(std::sync::atomic::Ordering::Acquire)
+}
+
 /// Name of HDF5's (private) file-access property that `h5clear -s` sets to clear the superblock
 /// status flags of a file a writer left open (it is in every file-access property list).
 const CLEAR_STATUS_FLAGS: &str = "clear_status_flags";
@@ -102,6 +113,10 @@ pub struct Hdf5Sink {
     /// Rows appended (extent of every row dataset).
     len: u64,
     committed: u64,
+    /// Rows made durable by [`SplitSink::prepare`]: after a failure between it and the publish,
+    /// the manifest may have recorded them, so a close keeps them (the next open publishes or
+    /// cuts them by what the manifest says).
+    prepared: u64,
     labels: Vec<String>,
     /// Rows appended or cells written since the last commit.
     dirty: bool,
@@ -215,6 +230,7 @@ impl Hdf5Sink {
             swmr: false,
             len: 0,
             committed: 0,
+            prepared: 0,
             labels: header.labels.clone(),
             dirty: false,
             header: header.clone(),
@@ -375,6 +391,7 @@ impl Hdf5Sink {
             swmr: false,
             len: committed,
             committed,
+            prepared: committed,
             labels,
             dirty: false,
             header: header.clone(),
@@ -441,6 +458,10 @@ impl Hdf5Sink {
             self.broken = true;
         }
         r
+    }
+
+    fn mark_failed(&self) {
+        FAILED.store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Replace the `labels_json` / `label2id_json` attributes (a label folder appended under
@@ -610,6 +631,7 @@ impl Hdf5Sink {
             return Ok(());
         }
         if self.broken {
+            self.mark_failed();
             self.cols.clear();
             self.committed_ds = None;
             let file = self.file.take().expect("checked above");
@@ -620,15 +642,15 @@ impl Hdf5Sink {
                 )
             });
         }
-        if self.len > self.committed {
+        let keep = self.committed.max(self.prepared);
+        if self.len > keep {
             log::warn!(
                 "{}: closing with {} uncommitted rows; dropping them",
                 self.path.display(),
-                self.len - self.committed
+                self.len - keep
             );
         }
-        let committed = self.committed;
-        let result = self.resize_all(committed).and_then(|()| {
+        let result = self.resize_all(keep).and_then(|()| {
             if self.staged {
                 Ok(())
             } else {
@@ -708,6 +730,7 @@ impl SplitSink for Hdf5Sink {
     fn prepare(&mut self) -> Result<()> {
         if self.dirty && !self.staged {
             self.guarded(|s| s.flush_and_sync())?;
+            self.prepared = self.len;
         }
         Ok(())
     }

@@ -34,6 +34,8 @@ pub struct NpySink {
     cols: Vec<NpyColumn>,
     len: u64,
     committed: u64,
+    /// Rows made durable by [`SplitSink::prepare`]: kept by a close (see the HDF5 sink's field).
+    prepared: u64,
     /// `attributes.json` without `committed_rows` (added when written).
     attrs: Map<String, Value>,
     labels: Vec<String>,
@@ -254,6 +256,7 @@ impl NpySink {
             cols,
             len: committed,
             committed,
+            prepared: committed,
             attrs,
             labels,
             dirty: false,
@@ -280,7 +283,7 @@ impl NpySink {
             }
         }
         if cut {
-            sink.cut_to(committed)?;
+            sink.cut_to(committed, committed)?;
         }
         Ok(sink)
     }
@@ -319,14 +322,14 @@ impl NpySink {
         self.direct_bytes
     }
 
-    /// Make `rows` the length of every column, durably: truncate the data, rewrite the headers
-    /// and `attributes.json`.
-    fn cut_to(&mut self, rows: u64) -> Result<()> {
+    /// Make `rows` the committed length of every column, durably: truncate the data past
+    /// `keep` rows (at least `rows`), rewrite the headers and `attributes.json`.
+    fn cut_to(&mut self, rows: u64, keep: u64) -> Result<()> {
         let sync = !self.staged;
         for c in &mut self.cols {
             c.edit_map = None;
             c.file
-                .set_len(c.data_offset(rows))
+                .set_len(c.data_offset(keep.max(rows)))
                 .and_then(|()| if sync { c.file.sync_all() } else { Ok(()) })
                 .with_context(|| format!("truncating {}", c.path.display()))?;
             c.write_shape(rows, sync)?;
@@ -432,8 +435,8 @@ impl NpySink {
                 }
             }
         }
-        let committed = self.committed;
-        self.cut_to(committed)
+        let (committed, keep) = (self.committed, self.committed.max(self.prepared));
+        self.cut_to(committed, keep)
     }
 }
 
@@ -568,6 +571,7 @@ impl SplitSink for NpySink {
     fn prepare(&mut self) -> Result<()> {
         if self.dirty && !self.staged {
             self.sync_data()?;
+            self.prepared = self.len;
         }
         Ok(())
     }
