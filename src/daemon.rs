@@ -501,6 +501,13 @@ impl Worker {
 
     /// Open the engine if it is closed, with the warm featuriser when there is one.
     fn open(&mut self) -> anyhow::Result<&mut Engine> {
+        if self.engine.is_none() && crate::output::hdf5::failed_in_this_process() {
+            // Never reopen in place after a failed HDF5 call (see `reexec`).
+            if !disk_answers(&self.settings) {
+                anyhow::bail!("the output or state folder does not take a synced write yet");
+            }
+            reexec();
+        }
         if self.engine.is_none() {
             let warm = match self.warm.take() {
                 Some(f) => crate::engine::Warm::Keep(f),
@@ -577,14 +584,6 @@ impl Worker {
     /// Reopen after a failure; on success, compare the tree with the manifest, which finds
     /// every change dropped meanwhile.
     fn retry(&mut self) {
-        if crate::output::hdf5::failed_in_this_process() {
-            if !disk_answers(&self.settings) {
-                return self.fail(anyhow::anyhow!(
-                    "the output or state folder does not take a synced write yet"
-                ));
-            }
-            reexec();
-        }
         let result = self.open().and_then(|engine| engine.reconcile());
         match result {
             Ok(r) => {

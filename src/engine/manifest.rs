@@ -112,8 +112,8 @@ pub struct Manifest {
     /// The counts `status` shows, kept by every [`Manifest::apply`] (stored as `meta/summary`
     /// with each batch), so that nothing reads every record while recordings wait.
     summary: std::sync::Mutex<Summary>,
-    /// sled's log file, synced by [`Manifest::flush`] (see there).
-    log_file: Option<std::fs::File>,
+    /// sled's log file and its folder, synced by [`Manifest::flush`] (see there).
+    log_file: Option<(std::fs::File, std::fs::File)>,
     /// sled returned an I/O error: this handle may hold changes it could not write, and sled
     /// refuses further work once its log failed. The owner reopens the manifest from the disk.
     failed: AtomicBool,
@@ -305,7 +305,9 @@ impl Manifest {
             quarantine: ManuallyDrop::new(quarantine),
             shared: ManuallyDrop::new(shared),
             summary: Default::default(),
-            log_file: std::fs::File::open(dir.join("db")).ok(),
+            log_file: std::fs::File::open(dir.join("db"))
+                .and_then(|f| Ok((f, std::fs::File::open(dir)?)))
+                .ok(),
             failed: AtomicBool::new(false),
         };
         match m.meta.get("schema_version").map_err(db_err)? {
@@ -647,11 +649,14 @@ impl Manifest {
     /// sled 0.34 makes its log stable with `sync_file_range` on Linux, which neither writes the
     /// file's metadata (its size, as the log grows) nor flushes the disk's cache: durable across
     /// a crash of the process, not a power cut (the power-cut tests lost flushed batches). So
-    /// the log file is synced here as well.
+    /// the log file is synced here as well, and its folder, whose entries sled changes when it
+    /// writes a snapshot (renamed into place, without a sync of the folder).
     pub fn flush(&self) -> Result<(), ManifestError> {
         self.db.flush().map_err(|e| self.err(e))?;
-        if let Some(f) = &self.log_file {
-            f.sync_data().map_err(|e| self.err(sled::Error::Io(e)))?;
+        if let Some((log, dir)) = &self.log_file {
+            log.sync_data()
+                .and_then(|()| dir.sync_all())
+                .map_err(|e| self.err(sled::Error::Io(e)))?;
         }
         Ok(())
     }

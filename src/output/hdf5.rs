@@ -625,44 +625,58 @@ impl Hdf5Sink {
             .with_context(|| format!("{}: writing committed_rows", self.path.display()))
     }
 
-    /// Shrink away uncommitted rows, flush, close. Idempotent. A broken file is only closed.
+    /// Shrink away uncommitted rows, flush, close. Idempotent. A broken file (or one whose
+    /// shrink or flush fails here) is let go of without a close.
     fn finish(&mut self) -> Result<()> {
         if self.file.is_none() {
             return Ok(());
         }
-        if self.broken {
-            self.mark_failed();
-            self.cols.clear();
-            self.committed_ds = None;
-            let file = self.file.take().expect("checked above");
-            return file.close().with_context(|| {
-                format!(
-                    "{}: closing after a failed HDF5 call (its uncommitted rows are cut at the next open)",
-                    self.path.display()
-                )
-            });
-        }
         let keep = self.committed.max(self.prepared);
-        if self.len > keep {
+        if self.len > keep && !self.broken {
             log::warn!(
                 "{}: closing with {} uncommitted rows; dropping them",
                 self.path.display(),
                 self.len - keep
             );
         }
-        let result = self.resize_all(keep).and_then(|()| {
-            if self.staged {
-                Ok(())
-            } else {
-                self.flush_and_sync()
-            }
-        });
+        let result = if self.broken {
+            Ok(())
+        } else {
+            self.resize_all(keep).and_then(|()| {
+                if self.staged {
+                    Ok(())
+                } else {
+                    self.flush_and_sync()
+                }
+            })
+        };
+        if result.is_err() {
+            // A failed call here (a failing disk) leaves the file as broken as any other.
+            self.broken = true;
+        }
+        if self.broken {
+            // Not even closed: closing flushes HDF5's cache of the file, which a failed write
+            // left inconsistent (closing after write errors has crashed the process). The
+            // handles are let go of; the service starts a fresh process before it opens the
+            // file again (see `failed_in_this_process`), and the next open cuts what was not
+            // committed.
+            self.mark_failed();
+            std::mem::forget(std::mem::take(&mut self.cols));
+            std::mem::forget(self.committed_ds.take());
+            std::mem::forget(self.file.take());
+            log::warn!(
+                "{}: left open after a failed HDF5 call; reopened by a fresh process",
+                self.path.display()
+            );
+            return result.with_context(|| format!("{}: closing", self.path.display()));
+        }
         self.cols.clear();
         self.committed_ds = None;
         let file = self.file.take().expect("checked above");
-        file.close()
-            .with_context(|| format!("{}: closing", self.path.display()))?;
-        result?;
+        if let Err(e) = file.close() {
+            self.mark_failed();
+            return Err(e).with_context(|| format!("{}: closing", self.path.display()));
+        }
         if self.staged {
             // Closing wrote everything out; one sync, outside HDF5's lock, makes it durable.
             std::fs::File::open(&self.path)

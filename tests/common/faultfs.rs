@@ -898,6 +898,46 @@ impl Filesystem for Handler {
                     n.durable_links += 1;
                 }
             }
+            // A folder has one parent: on a journaling file system a rename is one transaction,
+            // so a folder renamed here and made durable here is no longer durable where it was
+            // (without this, a power cut could leave it in both places, which no disk does).
+            let moved: Vec<u64> = new
+                .values()
+                .filter(|c| !old.values().any(|o| o == *c))
+                .filter(|c| {
+                    matches!(
+                        st.nodes.get(c),
+                        Some(Node {
+                            body: Body::Dir { .. },
+                            ..
+                        })
+                    )
+                })
+                .copied()
+                .collect();
+            if !moved.is_empty() {
+                let parent = ino.0;
+                let mut unlinked = Vec::new();
+                for (other, node) in st.nodes.iter_mut() {
+                    if *other == parent {
+                        continue;
+                    }
+                    if let Body::Dir { durable, .. } = &mut node.body {
+                        durable.retain(|_, c| {
+                            let keep = !moved.contains(c);
+                            if !keep {
+                                unlinked.push(*c);
+                            }
+                            keep
+                        });
+                    }
+                }
+                for c in unlinked {
+                    if let Some(n) = st.nodes.get_mut(&c) {
+                        n.durable_links = n.durable_links.saturating_sub(1);
+                    }
+                }
+            }
             for child in old.values() {
                 if let Some(n) = st.nodes.get_mut(child) {
                     n.durable_links = n.durable_links.saturating_sub(1);
