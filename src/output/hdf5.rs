@@ -977,7 +977,12 @@ fn file_access(header: &OutputHeader, staged: bool) -> Result<FileAccess> {
 /// Open read-write; with `clear_flags`, first clear the superblock's "open for write" status
 /// flags a killed writer left (what `h5clear -s` does, through the same property).
 fn open_rw(path: &Path, header: &OutputHeader, clear_flags: bool) -> Result<File> {
-    let fapl = file_access(header, false)?;
+    h5fopen_rw(path, &file_access(header, false)?, clear_flags)
+        .with_context(|| format!("{}: opening HDF5 file for appending", path.display()))
+}
+
+/// `H5Fopen` read-write with `fapl`, clearing the status flags first when asked.
+fn h5fopen_rw(path: &Path, fapl: &FileAccess, clear_flags: bool) -> Result<File> {
     let name = CString::new(path.as_os_str().as_encoded_bytes())
         .with_context(|| format!("{}: path contains a NUL byte", path.display()))?;
     let prop = CString::new(CLEAR_STATUS_FLAGS).unwrap();
@@ -993,7 +998,7 @@ fn open_rw(path: &Path, header: &OutputHeader, clear_flags: bool) -> Result<File
         let id = hdf5::h5check(H5Fopen(name.as_ptr(), H5F_ACC_RDWR, fapl.id()))?;
         hdf5::from_id::<File>(id)
     })
-    .with_context(|| format!("{}: opening HDF5 file for appending", path.display()))
+    .map_err(anyhow::Error::from)
 }
 
 /// Clear the superblock's "open for write" status flags a killed writer left (`h5clear -s`),
@@ -1005,21 +1010,8 @@ pub fn clear_status_flags(path: &Path) -> Result<()> {
         .libver_bounds(LibraryVersion::V110, LibraryVersion::V110)
         .file_locking(false)
         .finish()?;
-    let name = CString::new(path.as_os_str().as_encoded_bytes())
-        .with_context(|| format!("{}: path contains a NUL byte", path.display()))?;
-    let prop = CString::new(CLEAR_STATUS_FLAGS).unwrap();
-    let file = hdf5::sync::sync(|| unsafe {
-        let mut yes = true;
-        hdf5::h5check(H5Pset(
-            fapl.id(),
-            prop.as_ptr(),
-            &mut yes as *mut bool as *mut c_void,
-        ))?;
-        let id = hdf5::h5check(H5Fopen(name.as_ptr(), H5F_ACC_RDWR, fapl.id()))?;
-        hdf5::from_id::<File>(id)
-    })
-    .with_context(|| format!("{}: clearing HDF5's status flags", path.display()))?;
-    file.close()
+    h5fopen_rw(path, &fapl, true)
+        .and_then(|file| Ok(file.close()?))
         .with_context(|| format!("{}: clearing HDF5's status flags", path.display()))
 }
 
