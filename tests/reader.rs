@@ -36,32 +36,8 @@ fn reader_serves_what_h5py_reads_on_a_rebuild() {
 
 #[test]
 fn reader_follows_the_running_service() {
-    let world = World::new(&format!(
-        "{FAST}[splits.ratios]\ntraining = 100\nvalidation = 0\ntesting = 0\n"
-    ));
-    let pool = world.dir.path().join("pool");
-    // 40 recordings not yet in the tree; the first 4 are there from the start.
-    let files = ailhd::synth::write_tree(&pool, &["LEAK", "NORMAL"], 20, 11).unwrap();
-    let mut initial = files.clone();
-    initial.sort();
-    for f in &initial[..4] {
-        let rel = f.strip_prefix(&pool).unwrap();
-        std::fs::create_dir_all(world.rec().join(rel).parent().unwrap()).unwrap();
-        std::fs::rename(f, world.rec().join(rel)).unwrap();
-    }
-    let text = python(
-        "reader_live.py",
-        &[
-            &bin(),
-            &world.config,
-            &world.out(),
-            &world.rec(),
-            &pool,
-            &world.state(),
-        ],
-    );
-    println!("{text}");
-    assert!(text.contains("reader_live: OK"), "{text}");
+    // 40 recordings, 4 of them in the tree from the start.
+    live_script("reader_live", "", 20, 11, 4);
 }
 
 /// Online learning as a trainer runs it (tests/py/reader_online.py): a real torch `DataLoader`
@@ -72,20 +48,28 @@ fn reader_follows_the_running_service() {
 /// torch (`.ci/setup` installs it): without it the script fails, it does not skip.
 #[test]
 fn reader_online_learning_with_a_real_dataloader() {
+    // 200 recordings, 12 of them in the tree from the start.
+    live_script("reader_online", "idle_close_s = 1\n", 100, 31, 12);
+}
+
+/// Run `tests/py/NAME.py` beside a service it starts itself: every row goes to training (plus
+/// `ingest` lines of the `[ingest]` table), `per_label` recordings per label wait in a pool
+/// outside the tree, and the first `initial` of them (in path order) are in the tree already.
+/// The script prints `NAME: OK` when every check passed.
+fn live_script(name: &str, ingest: &str, per_label: usize, seed: u64, initial: usize) {
     let world = World::new(&format!(
-        "{FAST}idle_close_s = 1\n[splits.ratios]\ntraining = 100\nvalidation = 0\ntesting = 0\n"
+        "{FAST}{ingest}[splits.ratios]\ntraining = 100\nvalidation = 0\ntesting = 0\n"
     ));
     let pool = world.dir.path().join("pool");
-    let files = ailhd::synth::write_tree(&pool, &["LEAK", "NORMAL"], 100, 31).unwrap();
-    let mut initial = files.clone();
-    initial.sort();
-    for f in &initial[..12] {
+    let mut files = ailhd::synth::write_tree(&pool, &["LEAK", "NORMAL"], per_label, seed).unwrap();
+    files.sort();
+    for f in &files[..initial] {
         let rel = f.strip_prefix(&pool).unwrap();
         std::fs::create_dir_all(world.rec().join(rel).parent().unwrap()).unwrap();
         std::fs::rename(f, world.rec().join(rel)).unwrap();
     }
     let text = python(
-        "reader_online.py",
+        &format!("{name}.py"),
         &[
             &bin(),
             &world.config,
@@ -96,7 +80,7 @@ fn reader_online_learning_with_a_real_dataloader() {
         ],
     );
     println!("{text}");
-    assert!(text.contains("reader_online: OK"), "{text}");
+    assert!(text.contains(&format!("{name}: OK")), "{text}");
 }
 
 /// `h5dump -d segments_mel -b FILE` (HDF5 1.10's own reader; `-b FILE`: the bytes as stored)
