@@ -1,21 +1,31 @@
 #!/usr/bin/env python3
 """Growth benchmark: what the service costs with N recordings already ingested, for several N
-side by side (issue: "a year on the acquisition host"). For each N, in one temporary folder:
+side by side ("a year on the acquisition host"). For each N, in `--data DIR/n<N>` (made once,
+reused by later runs; `--fresh` makes it anew):
 
 1. a tree of N distinct synthetic recordings (1 s clips, zero-padded to 10 s by the rules: the
-   same row shape as real ones, an eighth of the bytes), and `rebuild` of it (peak RSS);
-2. the manifest's size per recording; `status --json` of the stopped service (time, RSS);
+   same row shape as real ones, an eighth of the bytes), and `rebuild` of it (files/s, peak RSS);
+2. the manifest's size per recording; `status --json` of the stopped service (median time of 5,
+   peak RSS);
 3. start: exec `run` with a new recording renamed into the tree at once -> that row below
-   `committed_rows` as an h5py SWMR reader sees it;
-4. latency as that reader sees it (rename -> row below `committed_rows`) at `--rate`
-   recordings/s for `--seconds`, and the service's RSS before and after;
-5. SIGKILL, restart -> a new recording's row seen.
+   `committed_rows` as an h5py SWMR reader sees it (median of `--starts` starts);
+4. latency as that reader sees it (rename -> row below `committed_rows`, the reader polling
+   every millisecond) at 100 recordings/s and at 1,000/s, and the service's RSS;
+5. the same at 100/s while the service rescans the whole tree every `--rescan-every` seconds;
+6. a soak at 100/s for `--soak` seconds: RSS sampled every 10 s after a warm-up;
+7. SIGKILL, restart -> a new recording's row seen.
 
-usage: python3 benches/growth.py BIN [--sizes 5000 200000] [--rate 100] [--seconds 20]
+Each run adds a few thousand recordings to the prepared trees (N grows a little: the table
+says how many were ingested before each run).
+
+usage: python3 benches/growth.py BIN [--sizes 5000 200000] [--data DIR] [--seconds 20]
+       [--soak 300] [--rescan-every 5] [--starts 3] [--fresh]
 """
 import argparse
 import os
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,10 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reader_latency import NAMES, clip, cpu_model  # noqa: E402
 
-
-def short_clip(i):
-    """A distinct 1 s clip (zero-padded to 10 s by the rules)."""
-    return clip(i, samples=4096)
+LABELS = ("LEAK", "NORMAL")
 
 
 def rss_kb(pid):
@@ -50,6 +57,23 @@ def run_waited(cmd, env=None):
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     _, status, usage = os.wait4(p.pid, 0)
     return time.monotonic() - t, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status)
+
+
+def make_tree(d, n):
+    """N distinct 1 s clips, written fast: one noise signal, each clip a window of it with its
+    index in the first two samples."""
+    rec = os.path.join(d, "rec")
+    for label in LABELS:
+        os.makedirs(os.path.join(rec, label), exist_ok=True)
+    base = np.random.default_rng(1).integers(-3000, 3000, 4096 + 200_000, dtype=np.int16)
+    head = clip(0, samples=4096)[:44]
+    for i in range(n):
+        data = base[i % 200_000:i % 200_000 + 4096].copy()
+        data[0], data[1] = i & 0x7FFF, i >> 15
+        name = f"S{i % 97:03d}~P{i}~20250118120530~100.wav"
+        with open(os.path.join(rec, LABELS[i % 2], name), "wb") as f:
+            f.write(head)
+            f.write(data.tobytes())
 
 
 class Reader:
@@ -83,92 +107,174 @@ class Reader:
             f.close()
 
 
-def place(rec, d, rel, body):
-    tmp = os.path.join(d, "incoming", os.path.basename(rel))
-    with open(tmp, "wb") as f:
-        f.write(body)
-    t = time.monotonic()
-    os.rename(tmp, os.path.join(rec, rel))
-    return t
+class Site:
+    """A prepared tree, its outputs and the service's configuration."""
 
+    def __init__(self, d, binary):
+        self.d, self.binary = d, binary
+        self.rec, self.out, self.state = (os.path.join(d, x) for x in ("rec", "out", "state"))
+        self.cfg = os.path.join(d, "ailhd.toml")
+        self.env = dict(os.environ, RUNTIME_DIRECTORY=os.path.join(d, "run"))
+        self.log = open(os.path.join(d, "run.log"), "a")
+        self.serial = int(time.time() * 1000) % 10**9 * 1000
+        os.makedirs(os.path.join(d, "incoming"), exist_ok=True)
 
-def one_size(binary, n, rate, seconds):
-    res = {}
-    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as d:
-        rec, out, state = (os.path.join(d, x) for x in ("rec", "out", "state"))
-        for label in ("LEAK", "NORMAL"):
-            os.makedirs(os.path.join(rec, label))
-        os.makedirs(os.path.join(d, "incoming"))
+    def next_body(self):
+        self.serial += 1
+        return self.serial, clip(self.serial, samples=4096)
+
+    def place(self, rel, body):
+        tmp = os.path.join(self.d, "incoming", os.path.basename(rel))
+        with open(tmp, "wb") as f:
+            f.write(body)
         t = time.monotonic()
-        for i in range(n):
-            label = ("LEAK", "NORMAL")[i % 2]
-            with open(os.path.join(rec, label, f"S{i % 97:03d}~P{i}~20250118120530~100.wav"), "wb") as f:
-                f.write(short_clip(i))
-        res["tree s"] = time.monotonic() - t
-        cfg = os.path.join(d, "ailhd.toml")
-        with open(cfg, "w") as f:
-            f.write(f'[paths]\nrecordings = "{rec}"\noutput = "{out}"\nstate = "{state}"\n')
+        os.rename(tmp, os.path.join(self.rec, rel))
+        return t
+
+    def start(self, extra_env=None):
+        env = dict(self.env, **(extra_env or {}))
+        return subprocess.Popen([self.binary, "--config", self.cfg, "run"], stdout=self.log,
+                                stderr=self.log, env=env)
+
+    def stop(self, svc, sig=signal.SIGTERM):
+        svc.send_signal(sig)
+        svc.wait(timeout=300)
+
+    def recordings(self):
+        return sum(len(os.listdir(os.path.join(self.rec, label))) for label in LABELS)
+
+
+def stream(site, reader, svc, rate, seconds, sample_rss=None):
+    """Feed `rate` recordings/s for `seconds`; latencies as the reader sees them."""
+    n = int(rate * seconds)
+    bodies = [site.next_body() for _ in range(n)]
+    renamed = {}
+
+    def feed():
+        t1 = time.monotonic()
+        for i, (serial, body) in enumerate(bodies):
+            rel = f"{LABELS[i % 2]}/S{i % 50:03d}~N{serial}~20250118120530~100.wav"
+            renamed[rel] = site.place(rel, body)
+            time.sleep(max(0.0, t1 + (i + 1) / rate - time.monotonic()))
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    next_sample = time.monotonic()
+    while feeder.is_alive():
+        reader.poll()
+        if sample_rss is not None and time.monotonic() >= next_sample:
+            sample_rss.append((time.monotonic(), rss_kb(svc.pid) / 1024))
+            next_sample += 10
+        time.sleep(0.001)
+    for rel in list(renamed):
+        reader.wait_for(rel, limit=30)
+    lat = sorted((reader.seen[p] - t) * 1e3 for p, t in renamed.items() if p in reader.seen)
+    q = lambda x: lat[min(len(lat) - 1, int(x * len(lat)))]
+    return {"p50": q(0.5), "p99": q(0.99), "max": lat[-1], "never seen": len(renamed) - len(lat)}
+
+
+def start_probe(site, reader, tag):
+    """exec -> a recording renamed into the tree at once shows as a row."""
+    t0 = time.monotonic()
+    svc = site.start()
+    serial, body = site.next_body()
+    rel = f"LEAK/S000~{tag}{serial}~20250118120530~100.wav"
+    site.place(rel, body)
+    seen = reader.wait_for(rel)
+    return svc, ((seen - t0) * 1e3 if seen else float("nan"))
+
+
+def prepare(d, n, binary, fresh):
+    made = {}
+    if fresh and os.path.exists(d):
+        shutil.rmtree(d)
+    if not os.path.exists(os.path.join(d, "prepared")):
+        os.makedirs(d, exist_ok=True)
+        t = time.monotonic()
+        make_tree(d, n)
+        made["tree s"] = time.monotonic() - t
+        with open(os.path.join(d, "ailhd.toml"), "w") as f:
+            f.write(f'[paths]\nrecordings = "{d}/rec"\noutput = "{d}/out"\nstate = "{d}/state"\n')
             f.write('[ingest]\ndevice = "cpu"\nrescan_interval_s = 0\n')
-        env = dict(os.environ, RUNTIME_DIRECTORY=os.path.join(d, "run"))
-        secs, rss, code = run_waited([binary, "--config", cfg, "rebuild"], env)
+        secs, rss, code = run_waited([binary, "--config", os.path.join(d, "ailhd.toml"), "rebuild"])
         assert code == 0, f"rebuild exited {code}"
-        res["rebuild files/s"] = n / secs
+        made["rebuild files/s"] = n / secs
+        made["rebuild peak RSS MB"] = rss
+        open(os.path.join(d, "prepared"), "w").close()
+    return made
+
+
+def one_size(a, n):
+    d = os.path.join(a.data, f"n{n}")
+    res = prepare(d, n, a.binary, a.fresh)
+    site = Site(d, a.binary)
+    res["recordings before this run"] = site.recordings()
+    if a.rebuild:
+        secs, rss, code = run_waited([a.binary, "--config", site.cfg, "rebuild"], site.env)
+        assert code == 0, f"rebuild exited {code}"
+        res["rebuild files/s"] = site.recordings() / secs
         res["rebuild peak RSS MB"] = rss
-        size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(state, "manifest")) for f in fs)
-        res["manifest B/recording"] = size / n
-        times = []
-        for _ in range(3):
-            secs, rss, code = run_waited([binary, "--config", cfg, "status", "--json"], env)
-            assert code == 0, f"status exited {code}"
-            times.append(secs)
-        res["status (stopped) ms"] = sorted(times)[1] * 1e3
-        res["status RSS MB"] = rss
+    size = sum(os.path.getsize(os.path.join(r, f))
+               for r, _, fs in os.walk(os.path.join(site.state, "manifest")) for f in fs)
+    res["manifest B/recording"] = size / site.recordings()
+    times, peak = [], 0
+    for _ in range(5):
+        secs, rss, code = run_waited([a.binary, "--config", site.cfg, "status", "--json"], site.env)
+        assert code == 0, f"status exited {code}"
+        times.append(secs)
+        peak = max(peak, rss)
+    res["status (stopped) ms"] = statistics.median(times) * 1e3
+    res["status peak RSS MB"] = peak
 
-        log = open(os.path.join(d, "run.log"), "w")
-        reader = Reader(out)
-        t0 = time.monotonic()
-        svc = subprocess.Popen([binary, "--config", cfg, "run"], stdout=log, stderr=log, env=env)
-        first = "LEAK/S000~new0~20250118120530~100.wav"
-        place(rec, d, first, clip(10_000_000 + n))
-        seen = reader.wait_for(first)
-        res["start: exec -> new row ms"] = (seen - t0) * 1e3 if seen else float("nan")
+    reader = Reader(site.out)
+    starts = []
+    for k in range(a.starts):
+        svc, ms = start_probe(site, reader, f"start{k}x")
+        starts.append(ms)
+        if k + 1 < a.starts:
+            site.stop(svc)
+    res["start: exec -> new row ms"] = statistics.median(starts)
+    res["start: each run ms"] = " / ".join(f"{x:.0f}" for x in starts)
 
-        bodies = [clip(20_000_000 + n + i) for i in range(int(rate * seconds))]
-        renamed = {}
-        rss_at = [rss_kb(svc.pid)]
+    rss0 = rss_kb(svc.pid) / 1024
+    r100 = stream(site, reader, svc, 100, a.seconds)
+    res["100/s p50 / p99 / max ms"] = f"{r100['p50']:.1f} / {r100['p99']:.1f} / {r100['max']:.0f}"
+    r1000 = stream(site, reader, svc, 1000, max(2.0, a.seconds / 4))
+    res["1,000/s p50 / p99 / max ms"] = f"{r1000['p50']:.1f} / {r1000['p99']:.1f} / {r1000['max']:.0f}"
+    res["RSS after start / after the streams MB"] = f"{rss0:.0f} / {rss_kb(svc.pid) / 1024:.0f}"
+    never = r100["never seen"] + r1000["never seen"]
 
-        def feed():
-            t1 = time.monotonic()
-            for i, body in enumerate(bodies):
-                rel = f"{('LEAK', 'NORMAL')[i % 2]}/S{i % 50:03d}~N{i}~20250118120530~100.wav"
-                renamed[rel] = place(rec, d, rel, body)
-                time.sleep(max(0.0, t1 + (i + 1) / rate - time.monotonic()))
+    if a.soak > 0:
+        samples = []
+        soak = stream(site, reader, svc, 100, a.soak, samples)
+        warm = [mb for t, mb in samples if t - samples[0][0] >= 60] or [samples[-1][1]]
+        res["soak 100/s p99 ms"] = soak["p99"]
+        res["soak RSS after 1 min -> end MB"] = f"{warm[0]:.0f} -> {warm[-1]:.0f} (max {max(warm):.0f})"
+        never += soak["never seen"]
 
-        feeder = threading.Thread(target=feed)
-        feeder.start()
-        while feeder.is_alive():
-            reader.poll()
-            time.sleep(0.001)
-        for rel in list(renamed):
-            reader.wait_for(rel, limit=30)
-        rss_at.append(rss_kb(svc.pid))
-        lat = sorted((reader.seen[p] - t) * 1e3 for p, t in renamed.items() if p in reader.seen)
-        res["p50 ms"] = lat[len(lat) // 2]
-        res["p99 ms"] = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
-        res["never seen"] = len(renamed) - len(lat)
-        res["RSS start / end MB"] = f"{rss_at[0] / 1024:.0f} / {rss_at[1] / 1024:.0f}"
+    if a.rescan_every > 0:
+        site.stop(svc)
+        svc = site.start({"AILHD_INGEST__RESCAN_INTERVAL_S": str(a.rescan_every)})
+        serial, body = site.next_body()
+        rel = f"NORMAL/S000~rescan{serial}~20250118120530~100.wav"
+        site.place(rel, body)
+        reader.wait_for(rel)
+        rr = stream(site, reader, svc, 100, max(a.seconds, 3 * a.rescan_every))
+        res[f"100/s with a rescan every {a.rescan_every} s: p50 / p99 / max ms"] = (
+            f"{rr['p50']:.1f} / {rr['p99']:.1f} / {rr['max']:.0f}")
+        never += rr["never seen"]
 
-        svc.send_signal(signal.SIGKILL)
-        svc.wait()
-        t0 = time.monotonic()
-        svc = subprocess.Popen([binary, "--config", cfg, "run"], stdout=log, stderr=log, env=env)
-        again = "NORMAL/S000~new1~20250118120530~100.wav"
-        place(rec, d, again, clip(30_000_000 + n))
-        seen = reader.wait_for(again)
-        res["after SIGKILL: exec -> new row ms"] = (seen - t0) * 1e3 if seen else float("nan")
-        svc.send_signal(signal.SIGTERM)
-        svc.wait(timeout=120)
-        reader.close()
+    site.stop(svc, signal.SIGKILL)
+    t0 = time.monotonic()
+    svc = site.start()
+    serial, body = site.next_body()
+    rel = f"NORMAL/S000~killed{serial}~20250118120530~100.wav"
+    site.place(rel, body)
+    seen = reader.wait_for(rel)
+    res["after SIGKILL: exec -> new row ms"] = (seen - t0) * 1e3 if seen else float("nan")
+    site.stop(svc)
+    reader.close()
+    res["never seen"] = never
     return res
 
 
@@ -176,23 +282,33 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("binary")
     ap.add_argument("--sizes", type=int, nargs="+", default=[5000, 200000])
-    ap.add_argument("--rate", type=float, default=100)
-    ap.add_argument("--seconds", type=float, default=20)
+    ap.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "ailhd-growth"))
+    ap.add_argument("--seconds", type=float, default=20, help="length of the 100/s stream")
+    ap.add_argument("--soak", type=float, default=0, help="seconds of a 100/s soak (0: none)")
+    ap.add_argument("--rescan-every", type=int, default=5)
+    ap.add_argument("--starts", type=int, default=3)
+    ap.add_argument("--rebuild", action="store_true", help="rebuild the prepared tree again")
+    ap.add_argument("--fresh", action="store_true", help="make the trees anew")
     a = ap.parse_args()
-    print(f"# {cpu_model()}, {os.cpu_count()} cores; {a.binary}; stream {a.rate:g}/s for {a.seconds:g} s")
+    a.binary = os.path.abspath(a.binary)
+    print(f"# {cpu_model()}, {os.cpu_count()} cores; {a.binary}; data in {a.data}", flush=True)
     results = {}
     for n in a.sizes:
-        results[n] = one_size(a.binary, n, a.rate, a.seconds)
-        print(f"# {n} done", flush=True)
-    keys = list(results[a.sizes[0]])
+        results[n] = one_size(a, n)
+        print(f"# {n} done: {results[n]}", flush=True)
+    keys = []
+    for n in a.sizes:
+        keys += [k for k in results[n] if k not in keys]
     print(f"| | {' | '.join(f'{n:,}' for n in a.sizes)} |")
     print(f"|---|{'---|' * len(a.sizes)}")
     for k in keys:
         cells = []
         for n in a.sizes:
-            v = results[n][k]
+            v = results[n].get(k, "")
             cells.append(f"{v:,.1f}" if isinstance(v, float) else str(v))
         print(f"| {k} | {' | '.join(cells)} |")
+    if any(r["never seen"] for r in results.values()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

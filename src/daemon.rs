@@ -87,21 +87,27 @@ pub async fn serve(
     }
     let _lock = WriterLocks::acquire(&settings, "run")?;
     let _metrics = crate::metrics::Exporter::start(&settings.metrics)?;
+    let root = std::path::absolute(&settings.paths.recordings)?;
+    // Watch first, then scan: nothing falls between the two. The engine opens (manifest,
+    // outputs, featuriser) while the watches are set up: the two are the start-up's longest
+    // steps on a large tree, and neither needs the other.
+    let (watch_tx, mut watch_rx) = mpsc::unbounded_channel::<WatchEvent>();
+    let (engine, watcher) = std::thread::scope(|scope| {
+        let engine = scope.spawn(|| Engine::open_live(&settings, settings.ingest.device));
+        let watcher = Watcher::start(&root, watch_tx);
+        (engine.join().expect("opening the engine panicked"), watcher)
+    });
     // A full disk or a failing one does not stop the service from starting: it says so and
     // retries (see Worker). Anything else (outputs of other feature settings, say) is an error.
-    let engine = match Engine::open_live(&settings, settings.ingest.device) {
+    let engine = match engine {
         Err(e) if !crate::engine::may_pass(&e) => return Err(e),
         other => other,
     };
+    let watcher = watcher?;
     let device = engine
         .as_ref()
         .map_or_else(|_| "-".to_string(), |e| e.device().to_string());
     crate::metrics::device(&device);
-    let root = std::path::absolute(&settings.paths.recordings)?;
-
-    // Watch first, then scan: nothing falls between the two.
-    let (watch_tx, mut watch_rx) = mpsc::unbounded_channel::<WatchEvent>();
-    let watcher = Watcher::start(&root, watch_tx)?;
 
     let shared = Arc::new(Shared::default());
     shared.alive_ms.store(now_ms(), Ordering::Relaxed);
@@ -266,11 +272,10 @@ pub async fn serve(
                 match report {
                     Some(Report::Reconciled(r)) => {
                         let now = Instant::now();
-                        if !r.changed.is_empty() || !r.removed.is_empty() {
-                            log::info!("rescan: {} new or changed, {} gone", r.changed.len(), r.removed.len());
-                        }
+                        // Found by a listing, not by an event: probed at once, and ready at
+                        // once when nothing has written it for a settle period (see Settler::found).
                         for rel in r.changed {
-                            settler.note(Path::new(&rel), false, now);
+                            settler.found(Path::new(&rel), now, std::time::SystemTime::now());
                         }
                         for rel in r.removed {
                             send(Work::Op(Input::Observe(Observation::Gone(rel))));
@@ -587,6 +592,13 @@ impl Worker {
         let result = self.open().and_then(|engine| engine.reconcile());
         match result {
             Ok(r) => {
+                if !r.changed.is_empty() || !r.removed.is_empty() {
+                    log::info!(
+                        "rescan: {} new or changed, {} gone",
+                        r.changed.len(),
+                        r.removed.len()
+                    );
+                }
                 let f = self.fault.take().expect("retrying a fault");
                 *self.shared.fault.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 crate::metrics::write_failing(false);
@@ -628,9 +640,18 @@ impl Worker {
                     let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
                     libc::setpriority(libc::PRIO_PROCESS, tid, 10);
                 }
-                match crate::engine::reconcile(&settings, &manifest) {
-                    Ok(r) => {
-                        let _ = report.send(Report::Reconciled(r));
+                // What it finds goes on at once, part by part: new recordings first.
+                let (mut changed, mut gone) = (0, 0);
+                let result = crate::engine::reconcile_with(&settings, &manifest, &mut |part| {
+                    changed += part.changed.len();
+                    gone += part.removed.len();
+                    let _ = report.send(Report::Reconciled(part));
+                });
+                match result {
+                    Ok(()) => {
+                        if changed > 0 || gone > 0 {
+                            log::info!("rescan: {changed} new or changed, {gone} gone");
+                        }
                     }
                     Err(e) => {
                         log::error!("rescan failed: {e:#}");
@@ -785,11 +806,9 @@ impl Worker {
             }),
         });
         let json = serde_json::to_vec_pretty(&r).expect("the report serialises");
-        let write = |path: &Path| -> std::io::Result<()> {
-            let tmp = path.with_extension("json.tmp");
-            std::fs::write(&tmp, &json)?;
-            std::fs::rename(&tmp, path)
-        };
+        // Rewritten every few seconds: atomic for readers, not synced (a power cut loses one
+        // snapshot; the next start writes another).
+        let write = |path: &Path| crate::durable::replace(path, &json, crate::durable::Sync::None);
         // The runtime copy first: it is what `status` reads when the state folder's disk fails.
         let runtime = status::runtime_snapshot_path(&self.settings);
         let _ = runtime
@@ -1025,5 +1044,10 @@ fn worker_loop(
         w.ingested,
         stages.join(", ")
     );
-    engine.finish().map(drop)
+    engine.finish()?;
+    // The manifest is closed: keep the report for `status` of the stopped service.
+    if let Err(e) = status::save_stopped(&w.settings, &w.last_report) {
+        log::debug!("cannot keep the status report for the stopped service: {e}");
+    }
+    Ok(())
 }

@@ -31,6 +31,7 @@ pub mod daemon;
 pub mod decode;
 pub mod demo;
 pub mod doctor;
+pub mod durable;
 pub mod engine;
 pub mod features;
 pub mod identity;

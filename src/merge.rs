@@ -686,17 +686,12 @@ fn relative_path(from: &Path, to: &Path) -> String {
 }
 
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("json.partial");
-    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {}", tmp.display()))?;
-    Ok(())
+    crate::durable::replace(path, bytes, crate::durable::Sync::Full)
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .with_context(|| format!("syncing {}", dir.display()))
+    crate::durable::sync_dir(dir).with_context(|| format!("syncing {}", dir.display()))
 }
 
 /// Copy the merged rows into `npy/<split>/` (through the merged files' virtual datasets).

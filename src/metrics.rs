@@ -12,7 +12,6 @@ use crate::config::Metrics as MetricsSettings;
 use crate::status::StatusReport;
 use anyhow::Context;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -284,34 +283,12 @@ pub fn render() -> String {
     handle().render()
 }
 
-/// Write `text` to `path` atomically: a temporary file beside it (a name node_exporter does not
-/// read), fsync, rename over the old one, fsync the folder. A reader sees the old or the new
-/// file, never a part.
+/// Write `text` to `path` atomically and durably ([`crate::durable::replace`]: a temporary
+/// file beside it, a name node_exporter does not read). A reader sees the old or the new file,
+/// never a part.
 pub fn write_atomically(path: &Path, text: &str) -> anyhow::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .with_context(|| format!("{} names no file", path.display()))?;
-    let tmp = dir.join(format!(
-        ".{}.{}.tmp",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let result = (|| -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(text.as_bytes())?;
-        f.sync_all()?;
-        drop(f);
-        std::fs::rename(&tmp, path)?;
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.with_context(|| format!("cannot write the metrics file {}", path.display()))
+    crate::durable::replace(path, text.as_bytes(), crate::durable::Sync::Full)
+        .with_context(|| format!("cannot write the metrics file {}", path.display()))
 }
 
 /// The running exporters; dropping it stops them (the textfile gets a last write, `ailhd_up 0`).

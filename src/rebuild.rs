@@ -206,6 +206,9 @@ pub fn rebuild_shard(
         .manifest()
         .set_meta("rebuilt_at_ms", &now_ms().to_string())?;
     let stage_times = engine.times().seconds();
+    // What `status` shows of the rebuilt manifest, kept once it is closed and in place (so that
+    // `status` need not open it).
+    let status_report = crate::status::collect(engine.manifest(), engine.labels(), settings);
     let close_start = Instant::now();
     let device_times = engine.finish()?;
     if let Some(b) = bar {
@@ -216,6 +219,12 @@ pub fn rebuild_shard(
     }
     let swap_start = Instant::now();
     staging::swap_in(settings)?;
+    if let Err(e) = status_report
+        .map_err(|e| std::io::Error::other(format!("{e:#}")))
+        .and_then(|r| crate::status::save_stopped(settings, &r))
+    {
+        log::debug!("cannot keep the status report of the rebuilt manifest: {e}");
+    }
     report.elapsed = started.elapsed();
     report.phases = vec![
         ("start", (ingest_start - started).as_secs_f64()),

@@ -180,9 +180,7 @@ fn remove_any(p: &Path) -> anyhow::Result<()> {
 }
 
 fn sync_dir(p: &Path) {
-    if let Ok(f) = std::fs::File::open(p) {
-        let _ = f.sync_all();
-    }
+    let _ = crate::durable::sync_dir(p);
 }
 
 #[cfg(test)]

@@ -205,7 +205,10 @@ pub fn collect(
 }
 
 /// The report as `status` shows it: from the manifest when no writer holds it, else from the
-/// running service's snapshot.
+/// running service's snapshot. A stopped service's report is read from the one kept beside the
+/// manifest ([`save_stopped`]) while the manifest's files are as they were when it was made:
+/// opening the manifest costs time that grows with it (sled reads its page table), a kept
+/// report does not.
 pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
     if let Some(holder) = WriterLock::holder(&settings.paths.state) {
         let mut r =
@@ -220,12 +223,82 @@ pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
             dir.display()
         );
     }
-    let manifest = Manifest::open(&dir)?;
+    if let Some(r) = read_stopped(settings) {
+        return Ok(r);
+    }
+    let r = collect_closed(settings)?;
+    // Kept for the next `status` (best effort: who runs `status` may not write the state folder).
+    let _ = save_stopped(settings, &r);
+    Ok(r)
+}
+
+/// The report made from the manifest, opened for it and closed again.
+pub fn collect_closed(settings: &Settings) -> anyhow::Result<StatusReport> {
+    let manifest = Manifest::open(&crate::staging::manifest_dir(settings))?;
     let appended = manifest.appended_labels()?;
     let labels =
         crate::identity::LabelSet::new(&settings.labels.names, &appended, settings.labels.unknown)
             .names;
     collect(&manifest, &labels, settings)
+}
+
+/// A report of a closed manifest, with what its files looked like then.
+#[derive(Serialize, Deserialize)]
+struct StoppedReport {
+    manifest: String,
+    report: StatusReport,
+}
+
+fn stopped_path(settings: &Settings) -> PathBuf {
+    settings.paths.state.join("status-stopped.json")
+}
+
+/// What the manifest's files look like: name, size and mtime of each (sled writes its log,
+/// snapshots and blobs there), as one digest. Any write to the manifest changes it.
+fn manifest_stamp(settings: &Settings) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let dir = crate::staging::manifest_dir(settings);
+    let mut seen = Vec::new();
+    for folder in [dir.clone(), dir.join("blobs")] {
+        for entry in std::fs::read_dir(&folder).ok()? {
+            let entry = entry.ok()?;
+            let meta = entry.metadata().ok()?;
+            if meta.is_file() {
+                seen.push(format!(
+                    "{}/{} {} {}.{}",
+                    folder.display(),
+                    entry.file_name().to_string_lossy(),
+                    meta.len(),
+                    meta.mtime(),
+                    meta.mtime_nsec()
+                ));
+            }
+        }
+    }
+    seen.sort();
+    Some(
+        blake3::hash(seen.join("\n").as_bytes())
+            .to_hex()
+            .to_string(),
+    )
+}
+
+/// Keep `report` as the stopped service's: call it once the manifest it was made from is
+/// closed, and nothing else writes it (the writer lock is held, or nobody holds it).
+pub fn save_stopped(settings: &Settings, report: &StatusReport) -> std::io::Result<()> {
+    let manifest = manifest_stamp(settings).ok_or_else(|| std::io::Error::other("no manifest"))?;
+    let mut report = report.clone();
+    report.service = None;
+    report.writer = None;
+    let json = serde_json::to_vec(&StoppedReport { manifest, report })?;
+    crate::durable::replace(&stopped_path(settings), &json, crate::durable::Sync::None)
+}
+
+/// The kept report, if the manifest has not changed since it was made.
+fn read_stopped(settings: &Settings) -> Option<StatusReport> {
+    let kept: StoppedReport =
+        serde_json::from_slice(&std::fs::read(stopped_path(settings)).ok()?).ok()?;
+    (manifest_stamp(settings)? == kept.manifest).then_some(kept.report)
 }
 
 pub fn render(r: &StatusReport) -> String {

@@ -945,60 +945,193 @@ impl Engine {
 /// is not reported removed (it is checked for again), and one reported changed that a commit
 /// recorded meanwhile is found unchanged when it is loaded.
 pub fn reconcile(settings: &Settings, manifest: &Manifest) -> anyhow::Result<Reconciliation> {
-    {
-        let root = &settings.paths.recordings;
-        let mut r = Reconciliation::default();
-        let mut present = std::collections::HashSet::new();
-        // Test builds: a sleep here holds a rescan (tests/daemon.rs ingests beside it).
-        fail::fail_point!("reconcile-listed", |_| Ok(Reconciliation::default()));
-        for found in crate::source::scan(root)? {
-            let rec = manifest.get_file(found.rel())?;
-            match found {
-                crate::source::Found::Recording(rel) => {
-                    let Ok(meta) = std::fs::symlink_metadata(root.join(&rel)) else {
-                        continue;
-                    };
-                    let same = rec.is_some_and(|rec| {
-                        rec.size == meta.len() && rec.mtime_ns == stages::mtime_ns(&meta)
-                    });
-                    if !same {
-                        r.changed.push(rel.clone());
-                    }
-                    present.insert(rel);
-                }
-                crate::source::Found::Rejected { rel, reason } => {
-                    let known = rec
-                        .and_then(|rec| rec.quarantine)
-                        .is_some_and(|q| q.kind == reason.kind());
-                    if !known {
-                        r.rejected.push(Observation::Rejected {
-                            rel: rel.clone(),
-                            reason,
-                            size: 0,
-                            mtime_ns: 0,
-                        });
-                    }
-                    present.insert(rel);
-                }
-            }
-        }
-        for item in manifest.files() {
-            let (rel, _) = item?;
-            if !present.contains(&rel) && std::fs::symlink_metadata(root.join(&rel)).is_err() {
-                r.removed.push(rel);
-            }
-        }
-        // A row waiting to be made anew (its owner was to be read again when we stopped).
-        for item in manifest.contents() {
-            let (_, c) = item?;
-            if let (None, Some(owner)) = (c.row, c.owner()) {
-                if present.contains(owner) && !r.changed.iter().any(|p| p == owner) {
-                    r.changed.push(owner.to_string());
-                }
-            }
-        }
-        Ok(r)
+    let mut all = Reconciliation::default();
+    reconcile_with(settings, manifest, &mut |part| {
+        all.changed.extend(part.changed);
+        all.removed.extend(part.removed);
+        all.rejected.extend(part.rejected);
+    })?;
+    Ok(all)
+}
+
+/// `lstat` of paths relative to a root, resolved from an open descriptor of their folder
+/// (`fstatat`): paths in listing order share folders, and a lookup of the name alone costs a
+/// fraction of a whole path's.
+struct FolderStat<'a> {
+    root: &'a Path,
+    folder: Option<(String, Option<std::fs::File>)>,
+}
+
+impl<'a> FolderStat<'a> {
+    fn new(root: &'a Path) -> Self {
+        FolderStat { root, folder: None }
     }
+
+    /// Size and mtime (ns) of `rel`, or None when it is not there (or cannot be looked at).
+    fn stat(&mut self, rel: &str) -> Option<(u64, i64)> {
+        use std::os::fd::AsRawFd;
+        let (dir, name) = rel.rsplit_once('/').unwrap_or(("", rel));
+        if self.folder.as_ref().is_none_or(|(d, _)| d != dir) {
+            let file = std::fs::File::open(self.root.join(dir)).ok();
+            self.folder = Some((dir.to_string(), file));
+        }
+        let fd = self.folder.as_ref()?.1.as_ref()?.as_raw_fd();
+        let name = std::ffi::CString::new(name).ok()?;
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid descriptor and NUL-terminated name; `st` is written by the call.
+        let rc = unsafe { libc::fstatat(fd, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) };
+        (rc == 0).then(|| {
+            (
+                st.st_size as u64,
+                st.st_mtime * 1_000_000_000 + st.st_mtime_nsec,
+            )
+        })
+    }
+}
+
+/// CPU seconds the calling thread has used (for debug lines).
+fn nix_thread_cpu() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a plain system call writing into `ts`.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// How often [`reconcile_with`] hands on what it found so far.
+const RECONCILE_REPORT_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// [`reconcile`], handing its findings to `emit` as it goes, in the order a service wants them:
+///
+/// 1. what the listing alone tells, with no `stat` and no record decoded: paths the manifest does
+///    not know (new recordings: most of what arrives while a service is down) and rejected
+///    ones, from one pass over the sorted listing beside the manifest's keys in the same order;
+/// 2. recordings whose size or mtime differ from their records (one `stat` each), and recorded
+///    paths that are gone;
+/// 3. rows waiting to be made anew (their owner was to be read again when ailhd stopped).
+///
+/// What it costs grows with the tree (a listing, a pass over the records, a `stat` per file),
+/// but nothing waits for it: new recordings are handed on within the first pass, and the
+/// service keeps ingesting beside it.
+pub fn reconcile_with(
+    settings: &Settings,
+    manifest: &Manifest,
+    emit: &mut dyn FnMut(Reconciliation),
+) -> anyhow::Result<()> {
+    let root = &settings.paths.recordings;
+    // Test builds: a sleep here holds a rescan (tests/daemon.rs ingests beside it).
+    fail::fail_point!("reconcile-listed", |_| Ok(()));
+    let started = Instant::now();
+    let found = crate::source::scan(root)?;
+    let took = |started: Instant| {
+        let cpu = nix_thread_cpu();
+        format!(
+            "{:.0} ms ({:.0} ms of CPU)",
+            started.elapsed().as_secs_f64() * 1e3,
+            cpu * 1e3
+        )
+    };
+    log::debug!(
+        "rescan: {} paths listed after {}",
+        found.len(),
+        took(started)
+    );
+    let mut part = Reconciliation::default();
+    let mut last_emit = Instant::now();
+    let mut flush = |part: &mut Reconciliation, force: bool| {
+        let any = !part.changed.is_empty() || !part.removed.is_empty() || !part.rejected.is_empty();
+        if any && (force || last_emit.elapsed() >= RECONCILE_REPORT_EVERY) {
+            emit(std::mem::take(part));
+            last_emit = Instant::now();
+        }
+    };
+    // Phase 1: the sorted listing beside the records, in the same (byte) order.
+    let mut known: Vec<(u32, u64, i64)> = Vec::new();
+    let mut unlisted: Vec<String> = Vec::new();
+    let mut records = manifest.files().peekable();
+    for (i, item) in found.iter().enumerate() {
+        let rel = item.rel();
+        // Records before this path are not listed: gone, or recorded after the listing.
+        let mut record = None;
+        while let Some(next) = records.peek() {
+            let key = match next {
+                Ok((key, _)) => key.as_str(),
+                Err(_) => return Err(records.next().expect("peeked").unwrap_err().into()),
+            };
+            match key.cmp(rel) {
+                std::cmp::Ordering::Less => {
+                    let (key, _) = records.next().expect("peeked")?;
+                    unlisted.push(key);
+                }
+                std::cmp::Ordering::Equal => {
+                    record = Some(records.next().expect("peeked")?.1);
+                    break;
+                }
+                std::cmp::Ordering::Greater => break,
+            }
+        }
+        match (item, record) {
+            (crate::source::Found::Recording(rel), None) => part.changed.push(rel.clone()),
+            (crate::source::Found::Recording(_), Some(rec)) => {
+                known.push((i as u32, rec.size, rec.mtime_ns));
+            }
+            (crate::source::Found::Rejected { rel, reason }, rec) => {
+                let same = rec
+                    .and_then(|rec| rec.quarantine)
+                    .is_some_and(|q| q.kind == reason.kind());
+                if !same {
+                    part.rejected.push(Observation::Rejected {
+                        rel: rel.clone(),
+                        reason: reason.clone(),
+                        size: 0,
+                        mtime_ns: 0,
+                    });
+                }
+            }
+        }
+        flush(&mut part, false);
+    }
+    for item in records {
+        unlisted.push(item?.0);
+    }
+    flush(&mut part, true);
+    log::debug!("rescan: new paths handed on after {}", took(started));
+    // Phase 2: changed in place, or gone (a path recorded after the listing is still there).
+    let mut folders = FolderStat::new(root);
+    for (i, size, mtime_ns) in known {
+        let rel = found[i as usize].rel();
+        let Some(now) = folders.stat(rel) else {
+            continue; // gone since the listing: the watcher reports it
+        };
+        if now != (size, mtime_ns) {
+            part.changed.push(rel.to_string());
+        }
+        flush(&mut part, false);
+    }
+    for rel in unlisted {
+        if std::fs::symlink_metadata(root.join(&rel)).is_err() {
+            part.removed.push(rel);
+        }
+    }
+    flush(&mut part, true);
+    log::debug!("rescan: changed and gone handed on after {}", took(started));
+    // Phase 3: a row waiting to be made anew (its owner was to be read again when we stopped).
+    for item in manifest.contents() {
+        let (_, c) = item?;
+        if let (None, Some(owner)) = (c.row, c.owner()) {
+            if found
+                .binary_search_by(|f| f.rel().cmp(owner))
+                .is_ok_and(|i| matches!(found[i], crate::source::Found::Recording(_)))
+            {
+                part.changed.push(owner.to_string());
+            }
+        }
+    }
+    flush(&mut part, true);
+    log::debug!("rescan: done after {}", took(started));
+    Ok(())
 }
 
 #[cfg(test)]

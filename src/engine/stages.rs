@@ -115,6 +115,8 @@ pub fn load(
 /// while it reads the recording at the relative path REL, as a crash in a decoder or an
 /// out-of-memory kill would (tests/poison.rs).
 fn fail_while_reading(rel: &str) {
+    #[cfg(not(feature = "failpoints"))]
+    let _ = rel;
     (|| {
         fail::fail_point!("load-file", |target: Option<String>| {
             if target.as_deref() == Some(rel) {

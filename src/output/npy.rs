@@ -719,9 +719,7 @@ fn write_attributes(
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .with_context(|| format!("syncing directory {}", dir.display()))
+    crate::durable::sync_dir(dir).with_context(|| format!("syncing directory {}", dir.display()))
 }
 
 fn partial_path(dir: &Path) -> PathBuf {

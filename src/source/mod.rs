@@ -73,6 +73,11 @@ pub fn classify_path(root: &Path, rel: &Path) -> Option<Found> {
 }
 
 /// Every recording (and rejected `*.wav`) under `root`, sorted by relative path.
+///
+/// One `readdir` pass: entries are told apart by the type the listing gives (no `stat`, no
+/// link followed), and relative paths are built as strings folder by folder (what [`classify`]
+/// decides, without its per-path parsing: 200,000 recordings are listed in a fraction of the
+/// time).
 pub fn scan(root: &Path) -> anyhow::Result<Vec<Found>> {
     anyhow::ensure!(
         root.is_dir(),
@@ -80,21 +85,66 @@ pub fn scan(root: &Path) -> anyhow::Result<Vec<Found>> {
         root.display()
     );
     let mut found = Vec::new();
-    for entry in walkdir::WalkDir::new(root).follow_links(false) {
+    scan_folder(root, &mut String::new(), true, &mut found);
+    found.sort_unstable_by(|a, b| a.rel().cmp(b.rel()));
+    Ok(found)
+}
+
+/// Lists `dir` (relative path `rel`, ending with `/` unless empty; `utf8`: every folder name
+/// on the way is valid UTF-8) into `found`, and its sub-folders in turn.
+fn scan_folder(dir: &Path, rel: &mut String, utf8: bool, found: &mut Vec<Found>) {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) => {
+            log::warn!("scanning {}: {e}", dir.display());
+            return;
+        }
+    };
+    let base = rel.len();
+    for entry in entries {
         let entry = match entry {
             Ok(e) => e,
             Err(e) => {
-                log::warn!("scanning {}: {e}", root.display());
+                log::warn!("scanning {}: {e}", dir.display());
                 continue;
             }
         };
-        let rel = entry.path().strip_prefix(root).unwrap_or(entry.path());
-        if let Some(f) = classify(rel, entry.file_type()) {
-            found.push(f);
+        // The type from the listing (d_type); std asks lstat only where a file system gives none.
+        let Ok(file_type) = entry.file_type() else {
+            continue;
+        };
+        let name = entry.file_name();
+        let name_utf8 = name.to_str();
+        rel.truncate(base);
+        match name_utf8 {
+            Some(n) => rel.push_str(n),
+            None => rel.push_str(&name.to_string_lossy()),
+        }
+        let utf8 = utf8 && name_utf8.is_some();
+        if file_type.is_dir() {
+            rel.push('/');
+            scan_folder(&entry.path(), rel, utf8, found);
+            continue;
+        }
+        if !is_wav_name(name.as_encoded_bytes()) {
+            continue;
+        }
+        if file_type.is_symlink() {
+            found.push(Found::Rejected {
+                rel: rel.clone(),
+                reason: Reason::SymbolicLink,
+            });
+        } else if file_type.is_file() {
+            found.push(match utf8 {
+                true => Found::Recording(rel.clone()),
+                false => Found::Rejected {
+                    rel: rel.clone(),
+                    reason: Reason::NotUtf8,
+                },
+            });
         }
     }
-    found.sort_unstable_by(|a, b| a.rel().cmp(b.rel()));
-    Ok(found)
+    rel.truncate(base);
 }
 
 /// What the settle stage needs to know about a file now: size, mtime, and whether its header
@@ -175,6 +225,51 @@ mod tests {
                 assert_eq!(got, want, "cut at {cut}");
             }
         }
+    }
+
+    /// The listing agrees with the rule applied path by path ([`classify`] over a walk): nested
+    /// folders, a non-UTF-8 folder, links to files and folders, names of any case, other files.
+    #[test]
+    fn the_listing_agrees_with_the_rule_path_by_path() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        for d in ["LEAK/deep/er", "NORMAL", "LEAK-x", "LEAK0", "e.wav"] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        let odd_dir = root.join(std::ffi::OsStr::from_bytes(b"NORMAL/\xfe"));
+        std::fs::create_dir_all(&odd_dir).unwrap();
+        for f in [
+            "LEAK/a.wav",
+            "LEAK/B.WAV",
+            "LEAK/deep/c.Wav",
+            "LEAK/deep/er/d.wav",
+            "LEAK/deep/notes.txt",
+            "LEAK-x/z.wav",
+            "LEAK0/y.wav",
+            "NORMAL/n.wav",
+            "top.wav",
+            ".wav",
+        ] {
+            std::fs::write(root.join(f), b"x").unwrap();
+        }
+        std::fs::write(odd_dir.join("o.wav"), b"x").unwrap();
+        std::os::unix::fs::symlink(root.join("LEAK/a.wav"), root.join("NORMAL/l.wav")).unwrap();
+        std::os::unix::fs::symlink(root.join("LEAK"), root.join("NORMAL/dir.wav")).unwrap();
+        std::os::unix::fs::symlink(root.join("LEAK"), root.join("NORMAL/dirlink")).unwrap();
+        let mut expected: Vec<Found> = walkdir::WalkDir::new(root)
+            .follow_links(false)
+            .into_iter()
+            .filter_map(|e| {
+                let e = e.unwrap();
+                classify(e.path().strip_prefix(root).unwrap(), e.file_type())
+            })
+            .collect();
+        expected.sort_by(|a, b| a.rel().cmp(b.rel()));
+        let found = scan(root).unwrap();
+        assert_eq!(found, expected);
+        assert_eq!(found.len(), 11, "{found:?}");
+        assert!(found.windows(2).all(|w| w[0].rel() < w[1].rel()));
     }
 
     #[test]

@@ -105,6 +105,9 @@ struct Pending {
     since: SystemTime,
     /// What the latest probe's header said, when it says "still being written".
     waiting_for: Option<DecodeError>,
+    /// Listed, not touched ([`Settler::found`]): the wall-clock time of the listing, against
+    /// which the first probe's mtime may stand for a baseline taken earlier.
+    found_at: Option<(Instant, SystemTime)>,
 }
 
 /// A file waiting to be complete, as `status` lists it.
@@ -152,12 +155,40 @@ impl Settler {
                 recheck: first_recheck,
                 since: SystemTime::now(),
                 waiting_for: None,
+                found_at: None,
             });
         entry.strong = strong;
+        entry.found_at = None;
         entry.last_change = now;
         entry.baseline = None;
         entry.recheck = first_recheck;
         reschedule(&mut self.schedule, path, entry, due);
+    }
+
+    /// Records that a listing (the comparison of the tree with the manifest, at start-up or in a
+    /// rescan) found `path` new or changed at `now` (`wall`: the wall clock then). No event says
+    /// whether a writer holds it, so the weak rule applies, with one difference: the file is
+    /// probed at once, and a file whose mtime is already `settle` old at that probe has not been
+    /// written for a whole settle window, so the probe stands for the second of the two (ready
+    /// when the header is consistent). A younger file is ready `settle` after its mtime, once a
+    /// probe then sees the same size and mtime. A file already pending keeps the rule its touch
+    /// gave it.
+    pub fn found(&mut self, path: &Path, now: Instant, wall: SystemTime) {
+        if self.pending.contains_key(path) {
+            return;
+        }
+        let entry = Pending {
+            strong: false,
+            last_change: now,
+            baseline: None,
+            due: now,
+            recheck: self.settle.max(MIN_RECHECK),
+            since: wall,
+            waiting_for: None,
+            found_at: Some((now, wall)),
+        };
+        self.schedule.insert((now, path.to_path_buf()));
+        self.pending.insert(path.to_path_buf(), entry);
     }
 
     /// Probes every file that is due at `now` and returns those that are ready or must be
@@ -194,10 +225,23 @@ impl Settler {
                         entry.last_change = now;
                         entry.recheck = self.settle.max(MIN_RECHECK);
                     }
+                    // A listed file's mtime says how long nothing has written it (the listing's
+                    // wall clock, moved on by the monotonic time since): that long counts as
+                    // seen stable, up to the whole window.
+                    let stable_for = match entry.found_at.take() {
+                        Some((at, wall)) if previous.is_none() => {
+                            let wall_now = wall + now.saturating_duration_since(at);
+                            wall_now
+                                .duration_since(mtime)
+                                .unwrap_or_default()
+                                .min(self.settle)
+                        }
+                        _ => Duration::ZERO,
+                    };
                     let b = Baseline {
                         size,
                         mtime,
-                        at: now,
+                        at: now.checked_sub(stable_for).unwrap_or(now),
                     };
                     entry.baseline = Some(b);
                     b
@@ -379,6 +423,73 @@ mod tests {
         );
         assert_eq!(s.next_deadline(), None);
         assert!(s.is_empty());
+    }
+
+    /// The wall clock `s` seconds after the epoch (the fake files' mtimes are whole seconds).
+    fn wall(s: f64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs_f64(s)
+    }
+
+    #[test]
+    fn a_listed_file_untouched_for_a_settle_window_goes_on_the_first_probe() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("old.wav", 100, 1, Ok(()));
+        // Listed 0.5 s after its last write: probed at once, and ready.
+        s.found(Path::new("old.wav"), t0, wall(1.5));
+        assert_eq!(s.next_deadline(), Some(t0));
+        assert_eq!(ready_paths(&s.poll(t0, fs.probe())), [Path::new("old.wav")]);
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn a_listed_file_written_just_before_waits_for_a_window_after_its_mtime() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("new.wav", 100, 1, Ok(()));
+        // Listed 50 ms after its last write: not yet stable for a whole window.
+        s.found(Path::new("new.wav"), t0, wall(1.05));
+        assert!(s.poll(t0, fs.probe()).is_empty());
+        // Due 150 ms later (200 ms after the mtime), when a probe must see it unchanged.
+        assert_eq!(s.next_deadline(), Some(t0 + ms(150)));
+        let out = s.poll(t0 + ms(150), fs.probe());
+        assert_eq!(ready_paths(&out), [Path::new("new.wav")]);
+    }
+
+    #[test]
+    fn a_listed_file_that_changes_at_its_probe_settles_as_after_a_weak_touch() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("w.wav", 100, 1, Ok(()));
+        s.found(Path::new("w.wav"), t0, wall(1.05));
+        assert!(s.poll(t0, fs.probe()).is_empty());
+        // A writer that raises no event goes on: the next probe sees a new size.
+        fs.set("w.wav", 200, 1, Ok(()));
+        assert!(s.poll(t0 + ms(150), fs.probe()).is_empty());
+        assert_eq!(s.next_deadline(), Some(t0 + ms(350)));
+        let out = s.poll(t0 + ms(350), fs.probe());
+        assert_eq!(ready_paths(&out), [Path::new("w.wav")]);
+    }
+
+    #[test]
+    fn a_touch_keeps_its_rule_when_a_listing_finds_the_file_too() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("a.wav", 100, 1, Ok(()));
+        s.note(Path::new("a.wav"), false, t0);
+        s.found(Path::new("a.wav"), t0, wall(100.0));
+        assert_eq!(s.next_deadline(), Some(t0 + SETTLE));
+        assert!(s.poll(t0 + SETTLE, fs.probe()).is_empty());
+        // And a touch after a listing cancels the listing's shortcut.
+        s.found(Path::new("b.wav"), t0, wall(100.0));
+        fs.set("b.wav", 100, 1, Ok(()));
+        s.note(Path::new("b.wav"), false, t0 + ms(1));
+        let out = s.poll(t0 + ms(1) + SETTLE, fs.probe());
+        assert!(ready_paths(&out).is_empty(), "{out:?}");
     }
 
     #[test]
