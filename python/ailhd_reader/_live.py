@@ -28,8 +28,9 @@ How it reads, and why:
   own chunk index (an extensible array in ailhd's files: a few reads, where HDF5's API walks the
   whole index for each chunk), or guessed and checked in files with another index. This is used
   only when the dataset's chunks are stored raw (no filter, little-endian float16, whole rows per
-  chunk), and rows read this way are checked against h5py's own reads; otherwise rows are read through h5py (sorted, runs of consecutive rows in one
-  call, chunk cache off for unfiltered chunks so that a row costs a row and not a chunk).
+  chunk), and rows read this way are checked against h5py's own reads; otherwise rows are read
+  through h5py (sorted, runs of consecutive rows in one call, chunk cache off for unfiltered
+  chunks so that a row costs a row and not a chunk).
 - Never SIGBUS: reading a memory map of a file that was cut short below the map kills the
   process (SIGBUS). ailhd cuts rows back in one case (a kill between the HDF5 and the npy commit
   of the same batch: at its next start, the rows that not every enabled output had committed are
