@@ -367,8 +367,9 @@ def h5_append_rows(path, counts, seed):
 def appended_chunks(out, scratch, rng):
     """Rows appended after a refresh: their chunks are found in the file's chunk index (an
     extensible array) where there is one, by guessing and checking where there is none (a file
-    with HDF5's older B-tree index), and both equal HDF5's own chunk addresses and reads; the
-    index is read right across super blocks and paged data blocks."""
+    with HDF5's older B-tree index), and both equal HDF5's own chunk addresses and reads;
+    committed_rows, valid and labels are read straight from the file in the first, through h5py
+    in the other; the index is read right across super blocks and paged data blocks."""
     src = os.path.join(out, SPLIT_FILES["training"])
     for kind in ("ailhd", "btree"):
         d = os.path.join(scratch, f"appended-{kind}")
@@ -387,8 +388,9 @@ def appended_chunks(out, scratch, rng):
                 if got != sum(counts):
                     fail(f"{kind}: refresh() after {counts} rows says {got}")
                 files = ds._files
-                if bool(files.index) != (kind == "ailhd"):
-                    fail(f"{kind}: chunk index used: {files.index!r}")
+                if bool(files.index) != (kind == "ailhd") or bool(files.raw) != (kind == "ailhd"):
+                    fail(f"{kind}: chunk index used: {files.index!r}, columns read raw: "
+                         f"{files.raw!r}")
                 if not np.array_equal(files.chunk_addr, chunk_iter_addresses(path)):
                     fail(f"{kind}: chunk addresses differ from HDF5's after {counts} rows")
                 check_dataset(ds, h5_truth(d, "training"), f"{kind} after appending {counts}",
