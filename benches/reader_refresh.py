@@ -8,10 +8,15 @@
 --scratch: the folder `benches/reader_online.py --scratch DIR` uses (rec/, out/, state/); with
 --make N it is (re)made first, as reader_online.py makes it. Each version runs in a process of
 its own (HDF5 shares one open file, and its metadata cache, within a process), holding a
-`LiveDataset` per source (npy, HDF5) and a pickled copy of each as a worker holds it. Each
+`LiveDataset` per source (npy, HDF5) and a pickled copy of each as a worker holds it; it times
+the first refresh (opening the files) and refreshes with nothing new (median of 5). Each
 round, `ailhd run` appends --new recordings; once both outputs have committed them, every
 process refreshes each source (the versions take turns going first), and the worker copies are
-asked for a new row's key (catch-up and one row). Prints each figure per round and the medians.
+asked for a new row's key (catch-up and one row; each round's copy is made after the previous
+round, so it also reads the chunk index once). Prints each figure per round and the medians.
+REFRESH_PARTS=columns,_extend_chunks,... adds the time spent in those methods of
+`_Hdf5Files` (or `module:Class.method`) to each round's line; REFRESH_PROFILE=hdf5 prints a
+cProfile of each HDF5 refresh.
 """
 
 import argparse
@@ -52,7 +57,18 @@ def serve(python_dir, out_dir):
             cls = getattr(__import__(mod, fromlist=["x"]) if mod else _live, cls or "_Hdf5Files")
             if hasattr(cls, meth):
                 setattr(cls, meth, timed(name, getattr(cls, meth)))
-    ds = {s: LiveDataset(out_dir, "training", s) for s in SOURCES}
+    ds, start = {}, {}
+    for s in SOURCES:
+        t = time.perf_counter()
+        ds[s] = LiveDataset(out_dir, "training", s)
+        start[f"{s} first"] = (time.perf_counter() - t) * 1e3
+    for s in SOURCES:
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            ds[s].refresh()
+            times.append((time.perf_counter() - t) * 1e3)
+        start[f"{s} nothing new"] = statistics.median(times)
     clones = {}
 
     def clone():
@@ -61,7 +77,8 @@ def serve(python_dir, out_dir):
             clones[s][0]  # files open in the copy, as in a worker that served a batch
 
     clone()
-    print(json.dumps({s: d.committed_rows for s, d in ds.items()}), flush=True)
+    start["committed"] = {s: d.committed_rows for s, d in ds.items()}
+    print(json.dumps(start), flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "refresh":
@@ -157,7 +174,11 @@ def main():
     versions = [Version("this", os.path.abspath(a.this), out_dir)]
     if a.baseline:
         versions.insert(0, Version("baseline", os.path.abspath(a.baseline), out_dir))
-    print(f"{out_dir}: committed {versions[-1].start}")
+    print(f"{out_dir}: committed {versions[-1].start['committed']}")
+    for v in versions:  # (the service is not running yet: nothing new)
+        print(f"  {v.name}: " + ", ".join(f"{k} {x:.2f} ms" for k, x in v.start.items()
+                                         if k != "committed")
+              + " (the first refresh opens the files; nothing new: median of 5)")
     figures = {(v.name, s, what): [] for v in versions for s in SOURCES
                for what in ("refresh", "catch-up")}
     log = open(os.path.join(a.scratch, "bench-refresh-run.log"), "w")

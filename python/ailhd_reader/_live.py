@@ -9,7 +9,11 @@ How it reads, and why:
   at 200,000 rows, read whole because any old row may have been superseded, deleted or moved to
   another label since), and redoes only what changed: rows appended since the last refresh are
   appended to the snapshot, and only when an old row's `valid` or label changed is the visible
-  list recomputed (one vectorised pass). Files stay open from one refresh to the next.
+  list recomputed (one vectorised pass). Files stay open from one refresh to the next. In
+  ailhd's HDF5 files these three are read straight from the file (the count from its object
+  header, the columns from their raw chunks at the addresses of their chunk indexes), checked
+  against h5py's reads when first read and for each chunk new to a column: through h5py, the
+  same reads cost 2-3 ms at 200,000 rows while the service appends.
 - Rows never move: a row number names the same recording for as long as the files exist. So a
   sampler hands out *keys* (`ds.keys`, `LiveSampler`): a key is an int that holds the row number,
   the label id the row had in the snapshot it was drawn from, and a tag of the files' identity.
