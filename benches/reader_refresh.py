@@ -96,9 +96,10 @@ def serve(python_dir, out_dir):
 
                 prof = cProfile.Profile()
                 prof.enable()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             d.refresh()
             ms = (time.perf_counter() - t) * 1e3
+            cpu = (time.process_time() - c) * 1e3
             if marks is not None:
                 parts.update((k, v) for k, v in marks.items() if v >= 0.1)
             if prof is not None:
@@ -106,7 +107,7 @@ def serve(python_dir, out_dir):
 
                 prof.disable()
                 pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
-            print(json.dumps({"ms": ms, "committed": d.committed_rows, "parts": parts,
+            print(json.dumps({"ms": ms, "cpu": cpu, "committed": d.committed_rows, "parts": parts,
                               "lookups": getattr(d._files, "lookups", 0)}), flush=True)
         elif cmd[0] == "catchup":
             c = clones[cmd[1]]
@@ -180,7 +181,7 @@ def main():
                                          if k != "committed")
               + " (the first refresh opens the files; nothing new: median of 5)")
     figures = {(v.name, s, what): [] for v in versions for s in SOURCES
-               for what in ("refresh", "catch-up")}
+               for what in ("refresh", "cpu", "catch-up")}
     log = open(os.path.join(a.scratch, "bench-refresh-run.log"), "w")
     svc = subprocess.Popen([binary, "--config", cfg, "run"], env=ro.env(),
                            stdout=subprocess.DEVNULL, stderr=log)
@@ -211,7 +212,9 @@ def main():
                 for v in order:
                     got = v.ask("refresh", s)
                     figures[(v.name, s, "refresh")].append(got["ms"])
-                    line.append(f"{v.name} {s} {got['ms']:.2f} ms (-> {got['committed']:,}"
+                    figures[(v.name, s, "cpu")].append(got["cpu"])
+                    line.append(f"{v.name} {s} {got['ms']:.2f} ms (cpu {got['cpu']:.2f}, -> "
+                                f"{got['committed']:,}"
                                 + (f", {got['lookups']} asked" if s == "hdf5" else "") + ")"
                                 + "".join(f" {k} {x:.2f}" for k, x in got["parts"].items()))
             for s in SOURCES:
@@ -225,8 +228,9 @@ def main():
         svc.wait(120)
         for v in versions:
             v.close()
-    print(f"medians of {a.rounds} rounds, refresh after {a.new:,} new rows / a worker's copy "
-          "asked for a new row's key:")
+    print(f"medians of {a.rounds} rounds: refresh after {a.new:,} new rows (wall clock; cpu: the "
+          "process's CPU time during it, user and system) / a worker's copy asked for a new "
+          "row's key:")
     for (name, s, what), xs in figures.items():
         print(f"  {name:8s} {s:4s} {what:8s}: median {statistics.median(xs):6.2f} ms  "
               f"(min {min(xs):.2f}, max {max(xs):.2f})")

@@ -1446,11 +1446,14 @@ class _Hdf5Files:
 
     def _read_index(self, mel):
         """segments_mel's chunk index (an _EaIndex) when this file has one it can read, checked
-        against every chunk address known so far; False otherwise."""
+        against the chunk addresses known so far (HDF5's): the first 64 and the last 4,096
+        (0.1 ms; all 33,000 at 200,000 rows took 1 ms, in each worker); False otherwise."""
         try:
             index = _EaIndex(self.fd, _ohdr_addr(mel))
-            if not np.array_equal(index.addresses(0, len(self.chunk_addr)), self.chunk_addr):
-                return False
+            n = len(self.chunk_addr)
+            for lo, hi in ((0, min(n, 64)), (max(0, n - 4096), n)):
+                if not np.array_equal(index.addresses(lo, hi), self.chunk_addr[lo:hi]):
+                    return False
             return index
         except Exception:  # (another index type, an older h5py, a file it does not understand)
             return False
