@@ -104,14 +104,17 @@ def tree_size():
     return sum(1 for _, _, fs in os.walk(REC) for f in fs if f.endswith(".wav"))
 
 
-def wait_committed(what):
-    """Until every recording in the tree has its valid row in both outputs."""
+def wait_committed(what, invalid=()):
+    """Until every recording in the tree has its valid row in both outputs, and the rows
+    `invalid` (of recordings deleted or superseded) are no longer valid: the count alone can
+    match while the service has ingested a new file but not yet seen a deletion."""
     t = time.time()
     while True:
         n = tree_size()
         tr = h5_truth(OUT, "training")
         npy = npy_committed()
-        if len(tr["visible"]) == n and npy == tr["committed"]:
+        if len(tr["visible"]) == n and npy == tr["committed"] and \
+                not any(tr["valid"][r] for r in invalid):
             return tr
         if time.time() - t > TIMEOUT:
             fail(f"{what}: {len(tr['visible'])} valid rows for {n} recordings after {TIMEOUT} s")
@@ -208,7 +211,8 @@ def online(source, persistent, ctx):
 
         served = run_epoch(loader, during)
         writer.join()
-        after = wait_committed(f"{what}: after epoch {epoch}")
+        after = wait_committed(f"{what}: after epoch {epoch}",
+                               changed.values() if epoch == 1 else ())
         check_epoch(f"{what}, epoch {epoch}", sampler, served, before, after)
         if not new_rows <= set(sampler.epoch_rows.tolist()) or len(new) != 2:
             fail(f"{what}, epoch {epoch}: rows committed before it were not served: {new_rows}")

@@ -3,7 +3,8 @@ reads; then on copies made to look like a writer caught mid-commit (rows past co
 rows set invalid) that only refresh() may reveal; pickling and worker processes (fork, spawn);
 a replaced output; files cut short below rows a snapshot had (an error, never SIGBUS); batch output buffers reused only when free; ailhd's HDF5 rows gathered as
 whole-row blocks (its chunks are aligned to the row size), and a copy without that alignment
-read by the other path (fancy indexing) with the same values.
+read by the other path (fancy indexing) with the same values; rows appended after a refresh
+found in the file's chunk index (or by guessing and checking, with an older index).
 usage: reader_values.py OUTPUT_DIR SCRATCH_DIR"""
 
 import json
@@ -333,6 +334,106 @@ def unaligned_hdf5(out, scratch, rng):
     print("hdf5 with chunks at arbitrary offsets: read by fancy indexing, same values")
 
 
+def chunk_iter_addresses(path):
+    with h5py.File(path, "r", libver="latest", swmr=True, locking=False) as f:
+        mel = f["segments_mel"]
+        cr = mel.chunks[0]
+        found = {}
+        mel.id.chunk_iter(lambda i: found.__setitem__(i.chunk_offset[0] // cr, i.byte_offset))
+        return np.array([found[k] for k in range(len(found))], np.int64)
+
+
+def h5_append_rows(path, counts, seed):
+    """Rows of distinct values appended to every dataset and committed, `counts` at a time (each
+    a commit of its own: the chunk index, and the chunks of the other datasets, grow between)."""
+    rng = np.random.default_rng(seed)
+    with h5py.File(path, "r+") as f:
+        for count in counts:
+            n = int(f["committed_rows"][0])
+            for name, ds in f.items():
+                if name == "committed_rows":
+                    continue
+                ds.resize(n + count, axis=0)
+                if name == "segments_mel":
+                    ds[n:] = rng.normal(0, 10, (count,) + ds.shape[1:]).astype(np.float16)
+                elif name == "valid":
+                    ds[n:] = 1
+                elif name in ("source_path", "sensor_id", "recording_id"):
+                    ds[n:] = [b"appended"] * count
+            f["committed_rows"][0] = n + count
+            f.flush()
+
+
+def appended_chunks(out, scratch, rng):
+    """Rows appended after a refresh: their chunks are found in the file's chunk index (an
+    extensible array) where there is one, by guessing and checking where there is none (a file
+    with HDF5's older B-tree index), and both equal HDF5's own chunk addresses and reads;
+    committed_rows, valid and labels are read straight from the file in the first, through h5py
+    in the other; the index is read right across super blocks and paged data blocks."""
+    src = os.path.join(out, SPLIT_FILES["training"])
+    for kind in ("ailhd", "btree"):
+        d = os.path.join(scratch, f"appended-{kind}")
+        os.makedirs(d)
+        path = os.path.join(d, SPLIT_FILES["training"])
+        if kind == "ailhd":
+            shutil.copy(src, path)
+        else:
+            in_child(copy_btree, src, path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ds = LiveDataset(d, "training", "hdf5")
+            for r, counts in enumerate(([1], [7, 40], [1, 1, 100])):
+                in_child(h5_append_rows, path, counts, r)
+                got = ds.refresh()
+                if got != sum(counts):
+                    fail(f"{kind}: refresh() after {counts} rows says {got}")
+                files = ds._files
+                if bool(files.index) != (kind == "ailhd") or bool(files.raw) != (kind == "ailhd"):
+                    fail(f"{kind}: chunk index used: {files.index!r}, columns read raw: "
+                         f"{files.raw!r}")
+                if not np.array_equal(files.chunk_addr, chunk_iter_addresses(path)):
+                    fail(f"{kind}: chunk addresses differ from HDF5's after {counts} rows")
+                check_dataset(ds, h5_truth(d, "training"), f"{kind} after appending {counts}",
+                              rng, full=False)
+        print(f"hdf5 ({kind}): appended rows' chunks found, equal to HDF5's addresses and reads")
+    # The index right across the larger super blocks (paged data blocks from 131,056 chunks on).
+    from ailhd_reader._live import _EaIndex
+
+    path = os.path.join(scratch, "many-chunks.h5")
+    n = 140000
+    with h5py.File(path, "w", libver="latest") as f:
+        x = f.create_dataset("segments_mel", (0, 2), np.float16, chunks=(1, 2), maxshape=(None, 2))
+        for at in range(0, n, 35000):
+            x.resize(at + 35000, axis=0)
+            x[at:] = rng.normal(0, 1, (35000, 2))
+    truth = chunk_iter_addresses(path)
+    with h5py.File(path, "r", libver="latest", swmr=True, locking=False) as f:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            index = _EaIndex(fd, h5py.h5o.get_info(f["segments_mel"].id).addr)
+            if not np.array_equal(index.addresses(0, n), truth):
+                fail("the chunk index read raw differs from HDF5's addresses (140,000 chunks)")
+            for lo, hi in ((0, 3), (3, 21), (65000, 66600), (131000, 131100), (n - 1000, n)):
+                if not np.array_equal(index.addresses(lo, hi), truth[lo:hi]):
+                    fail(f"the chunk index read raw differs from HDF5's for chunks {lo}..{hi}")
+        finally:
+            os.close(fd)
+    print("chunk index read raw: equal to HDF5's addresses over 140,000 chunks")
+
+
+def copy_btree(src, dst):
+    """src's datasets rewritten by h5py with HDF5's oldest file format (chunk index: a B-tree)."""
+    with h5py.File(src, "r", libver="latest", swmr=True, locking=False) as f, h5py.File(
+            dst, "w", libver="earliest") as g:
+        for name, d in f.items():
+            if d.chunks is None:
+                g.create_dataset(name, data=d[:])
+            else:
+                g.create_dataset(name, data=d[:], chunks=d.chunks, maxshape=d.maxshape)
+        for k, v in f.attrs.items():
+            g.attrs[k] = v
+
+
 def main():
     out, scratch = sys.argv[1], sys.argv[2]
     rng = np.random.default_rng(7)
@@ -346,6 +447,7 @@ def main():
     reused_outputs(LiveDataset(out, "training", "npy"), t, "npy", rng)
     reused_outputs(LiveDataset(out, "training", "hdf5"), t, "hdf5", rng)
     unaligned_hdf5(out, scratch, rng)
+    appended_chunks(out, scratch, rng)
     for bad, kw in (("nowhere", {}), (out, {"split": "train"}), (out, {"source": "zarr"})):
         try:
             LiveDataset(bad, **kw)
