@@ -35,6 +35,7 @@ pub struct Settings {
     pub outputs: Outputs,
     pub ingest: Ingest,
     pub metrics: Metrics,
+    pub gpu: Gpu,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -523,6 +524,33 @@ impl Metrics {
     }
 }
 
+/// `[gpu]`: where to find the CUDA libraries beyond the usual places (the dynamic loader's
+/// search, then the active Python environment's and the user's `site-packages/nvidia/*/lib`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Gpu {
+    /// A folder holding NVRTC (with its builtins library), cuFFT or the driver, searched before
+    /// anywhere else (e.g. `<venv>/lib/python3.12/site-packages/nvidia/cu13/lib`).
+    pub library_path: Option<PathBuf>,
+}
+
+impl Gpu {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(p) = &self.library_path {
+            if !p.is_absolute() {
+                return Err(invalid(
+                    "gpu.library_path",
+                    format!(
+                        "`{}` must be an absolute path to a folder of CUDA libraries",
+                        p.display()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Settings {
     /// Load as the contract says: `explicit` (from `--config`), else `$AILHD_CONFIG`, else
     /// `/etc/ailhd/ailhd.toml` if it exists, else built-in defaults; then `AILHD_<SECTION>__<KEY>`
@@ -677,6 +705,7 @@ impl Settings {
             ));
         }
         self.metrics.validate()?;
+        self.gpu.validate()?;
         Ok(())
     }
 
@@ -904,6 +933,7 @@ mod tests {
             ("[splits]\nmode = \"directory\"\n", "splits.directories"),
             ("[metrics]\nlisten = \"localhost\"\n", "metrics.listen"),
             ("[metrics]\ntextfile = \"ailhd.prom\"\n", "metrics.textfile"),
+            ("[gpu]\nlibrary_path = \"lib\"\n", "gpu.library_path"),
         ];
         for (text, key) in cases {
             let err = Settings::from_toml_str(text).unwrap_err().to_string();

@@ -164,8 +164,8 @@ pub async fn serve(
                 match Settings::load(config_path.as_deref()) {
                     Ok(new) => {
                         if new.paths != settings.paths || new.features != settings.features || new.labels != settings.labels
-                            || new.splits != settings.splits || new.outputs != settings.outputs {
-                            log::warn!("reload: only [ingest] settings change live; paths, labels, splits, features and outputs need a restart (and features a rebuild)");
+                            || new.splits != settings.splits || new.outputs != settings.outputs || new.gpu != settings.gpu {
+                            log::warn!("reload: only [ingest] settings change live; paths, labels, splits, features, outputs and gpu need a restart (and features a rebuild)");
                         }
                         settler = Settler::new(Duration::from_millis(new.ingest.settle_ms), Duration::from_secs(new.ingest.quarantine_after_s));
                         send(Work::Rescan); // what was settling is picked up again by the rescan

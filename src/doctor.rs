@@ -3,10 +3,10 @@
 //! ([`crate::features::reference`]) under the contract's accuracy rule, at 1x its tolerance. A host without a GPU
 //! is a normal answer, not a failure: the report says so plainly and the command succeeds.
 
-use crate::config::FeatureSettings;
+use crate::config::{FeatureSettings, Gpu};
 use crate::decode::Waveform;
 use crate::features::cpu::CpuFeaturiser;
-use crate::features::cuda::{self, parity, CudaFeaturiser, CudaProbe};
+use crate::features::cuda::{self, parity, CudaFeaturiser, CudaProbe, LibrarySearch};
 use crate::features::mel::{self, Accuracy};
 use crate::features::{reference, Featuriser};
 use anyhow::Context;
@@ -87,9 +87,12 @@ impl From<&Accuracy> for Agreement {
 }
 
 /// Print the report (human-readable, or one JSON object with `json`). Errors only when a GPU is
-/// present and the self-test fails, or the report cannot be written.
-pub fn run_doctor(settings: &FeatureSettings, json: bool) -> anyhow::Result<()> {
-    let cuda = cuda::probe();
+/// present and the self-test fails, or the report cannot be written. The CUDA libraries are
+/// looked for everywhere the featuriser looks (`gpu` names a folder to search first), and
+/// `python3` is asked where its packages are even on a host without the driver.
+pub fn run_doctor(settings: &FeatureSettings, gpu: &Gpu, json: bool) -> anyhow::Result<()> {
+    let search = LibrarySearch::everywhere(gpu);
+    let cuda = cuda::probe_with(&search);
     let mut setups: Vec<(String, FeatureSettings)> = Vec::new();
     let named = [
         ("default", FeatureSettings::default()),
@@ -104,7 +107,7 @@ pub fn run_doctor(settings: &FeatureSettings, json: bool) -> anyhow::Result<()> 
     let no_gpu = (!cuda.gpu_present()).then(|| cuda.problems.join("; "));
     let parity = setups
         .iter()
-        .map(|(name, s)| parity_for(name, s, no_gpu.as_deref()))
+        .map(|(name, s)| parity_for(name, s, &search, no_gpu.as_deref()))
         .collect();
     let report = DoctorReport {
         ailhd_version: env!("CARGO_PKG_VERSION"),
@@ -157,7 +160,12 @@ fn cpu_report() -> CpuReport {
     }
 }
 
-fn parity_for(setup: &str, settings: &FeatureSettings, no_gpu: Option<&str>) -> ParityResult {
+fn parity_for(
+    setup: &str,
+    settings: &FeatureSettings,
+    search: &LibrarySearch,
+    no_gpu: Option<&str>,
+) -> ParityResult {
     let recordings = parity::synthetic_recordings(settings);
     let mut result = ParityResult {
         setup: setup.to_string(),
@@ -174,7 +182,7 @@ fn parity_for(setup: &str, settings: &FeatureSettings, no_gpu: Option<&str>) -> 
         result.reason = Some(format!("no usable GPU ({why})"));
         return result;
     }
-    match compare(settings, &recordings, &mut result) {
+    match compare(settings, search, &recordings, &mut result) {
         Ok(()) => {
             let agreed = result.agreement.as_ref().is_some_and(|a| a.violations == 0);
             let independent = result.batch_independent.unwrap_or(false);
@@ -197,12 +205,14 @@ fn parity_for(setup: &str, settings: &FeatureSettings, no_gpu: Option<&str>) -> 
 
 fn compare(
     settings: &FeatureSettings,
+    search: &LibrarySearch,
     recordings: &[(String, Waveform)],
     result: &mut ParityResult,
 ) -> anyhow::Result<()> {
     let row_len = settings.shape().row_len();
     let batch: Vec<&Waveform> = recordings.iter().map(|(_, w)| w).collect();
-    let mut gpu = CudaFeaturiser::new(settings).context("starting the GPU featuriser")?;
+    let mut gpu =
+        CudaFeaturiser::with_libraries(settings, search).context("starting the GPU featuriser")?;
     result.device = Some(gpu.name());
     let mut gpu_rows = vec![f16::ZERO; batch.len() * row_len];
     gpu.featurise(&batch, &mut gpu_rows)?;
@@ -285,18 +295,31 @@ fn render(report: &DoctorReport) -> String {
         };
         let line = match &lib.loaded {
             Some(name) => format!(
-                "{name}{}{}",
+                "{name}{}{}{}{}",
                 lib.path
                     .as_ref()
                     .map(|p| format!(" ({p})"))
                     .unwrap_or_default(),
                 version
                     .map(|v| format!(", version {v}"))
-                    .unwrap_or_default()
+                    .unwrap_or_default(),
+                lib.found_by
+                    .as_ref()
+                    .map(|by| format!(", found by {by}"))
+                    .unwrap_or_default(),
+                lib.builtins
+                    .as_ref()
+                    .map(|b| format!("; builtins {b}"))
+                    .unwrap_or_default(),
             ),
             None => format!(
-                "not found (tried {}): {}",
+                "not found (tried {}{}): {}",
                 lib.sonames().join(", "),
+                if lib.searched.is_empty() {
+                    String::new()
+                } else {
+                    format!(" by name and in {}", lib.searched.join(", "))
+                },
                 lib.advice()
             ),
         };
@@ -386,6 +409,7 @@ mod tests {
             parity: vec![parity_for(
                 "default",
                 &settings,
+                &LibrarySearch::default(),
                 Some("CUDA driver library not found"),
             )],
         };

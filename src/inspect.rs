@@ -87,7 +87,7 @@ pub fn inspect(settings: &Settings, file: &Path) -> anyhow::Result<Inspected> {
         } => (len, hash, info, wave),
     };
     let wave = wave.with_context(|| format!("{}", file.display()))?;
-    let mut feat = features::build(&settings.features, DeviceChoice::Cpu, 1)?;
+    let mut feat = features::build(&settings.features, &settings.gpu, DeviceChoice::Cpu, 1)?;
     let mut row = vec![f16::ZERO; shape.row_len()];
     feat.featurise(&[&wave], &mut row)?;
     let n = wave.len().max(1);

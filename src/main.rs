@@ -250,7 +250,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Doctor { json } => {
             let s = load_settings(&cli)?;
-            ailhd::doctor::run_doctor(&s.features, *json)
+            ailhd::doctor::run_doctor(&s.features, &s.gpu, *json)
         }
         Command::Reload { pid } => {
             let s = load_settings(&cli)?;

@@ -109,7 +109,8 @@ pub fn rebuild_shard(
                 Vec::new()
             })
         });
-        let featuriser = scope.spawn(|| features::build(&settings.features, device, threads));
+        let featuriser =
+            scope.spawn(|| features::build(&settings.features, &settings.gpu, device, threads));
         let stores = scope.spawn(|| {
             Engine::create_bulk(
                 settings,

@@ -93,7 +93,7 @@ fn without_a_gpu_new_fails_and_says_what_is_missing() {
 #[test]
 fn doctor_succeeds_and_reports_the_host() {
     // On a host without a GPU the doctor says so and succeeds; with one, the self-test must pass.
-    ailhd::doctor::run_doctor(&FeatureSettings::default(), true).unwrap();
+    ailhd::doctor::run_doctor(&FeatureSettings::default(), &Default::default(), true).unwrap();
 }
 
 #[test]

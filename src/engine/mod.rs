@@ -256,9 +256,12 @@ impl Engine {
         manifest.set_meta("labels", &serde_json::to_string(&labels.names)?)?;
         manifest.flush()?;
         let featuriser = match warm {
-            Warm::Build(device) => {
-                features::build(&settings.features, device, settings.worker_threads())?
-            }
+            Warm::Build(device) => features::build(
+                &settings.features,
+                &settings.gpu,
+                device,
+                settings.worker_threads(),
+            )?,
             Warm::Keep(f) => f,
         };
         Ok(Engine::start(

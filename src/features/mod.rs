@@ -7,7 +7,7 @@ pub mod cuda;
 pub mod mel;
 pub mod reference;
 
-use crate::config::{DbMode, DeviceChoice, FeatureSettings, FeatureShape};
+use crate::config::{DbMode, DeviceChoice, FeatureSettings, FeatureShape, Gpu};
 use crate::decode::Waveform;
 use half::f16;
 
@@ -49,19 +49,26 @@ pub trait Featuriser: Send {
 }
 
 /// Build the featuriser for `choice`: `Cpu` always works; `Cuda` fails with the reason when no
-/// usable GPU is present; `Auto` tries CUDA and falls back to the CPU with one log line.
+/// usable GPU is present; `Auto` tries CUDA and falls back to the CPU with one short log line
+/// ([`cuda::fallback_line`]; every reason at debug level and in `ailhd doctor`). `gpu` says where
+/// else to look for the CUDA libraries; `Cpu` looks for nothing.
 pub fn build(
     settings: &FeatureSettings,
+    gpu: &Gpu,
     choice: DeviceChoice,
     threads: usize,
 ) -> anyhow::Result<Box<dyn Featuriser>> {
+    let search = cuda::LibrarySearch::for_featuriser(gpu);
     match choice {
         DeviceChoice::Cpu => Ok(Box::new(cpu::CpuFeaturiser::new(settings, threads)?)),
-        DeviceChoice::Cuda => Ok(Box::new(cuda::CudaFeaturiser::new(settings)?)),
-        DeviceChoice::Auto => match cuda::CudaFeaturiser::new(settings) {
+        DeviceChoice::Cuda => Ok(Box::new(cuda::CudaFeaturiser::with_libraries(
+            settings, &search,
+        )?)),
+        DeviceChoice::Auto => match cuda::CudaFeaturiser::with_libraries(settings, &search) {
             Ok(f) => Ok(Box::new(f)),
             Err(e) => {
-                log::warn!("no usable GPU, featurising on the CPU: {e:#}");
+                log::warn!("{}", cuda::fallback_line(&e));
+                log::debug!("why the GPU is not used: {e:#}");
                 Ok(Box::new(cpu::CpuFeaturiser::new(settings, threads)?))
             }
         },

@@ -14,7 +14,53 @@ fn arch_number(major: i32, minor: i32) -> i32 {
     major * 10 + minor
 }
 
-fn nvrtc_supported_archs() -> anyhow::Result<Vec<i32>> {
+/// The GPU architectures (compute capability x 10) the project claims, each with the NVRTC major
+/// versions that compile for it. CUDA 13's NVRTC dropped Volta (sm_70 and sm_72; its oldest is
+/// sm_75): a Volta GPU needs NVRTC 12 (cudarc loads `libnvrtc.so.12` where `libnvrtc.so.13` is
+/// absent) and cuFFT from CUDA 12. `tests/gpu_readiness.rs` compiles the kernels for each
+/// architecture the NVRTC at hand is claimed for, and for the newest it knows.
+pub const ARCHITECTURES: [(i32, std::ops::RangeInclusive<u32>); 8] = [
+    (70, 11..=12),
+    (75, 11..=13),
+    (80, 11..=13),
+    (86, 11..=13),
+    (89, 12..=13),
+    (90, 12..=13),
+    (100, 12..=13),
+    (120, 12..=13),
+];
+
+/// Every option the kernels are compiled with, for `arch` ("sm_90" or "compute_90"): the one list,
+/// used at start-up and by the tests that compile the kernels with a real NVRTC.
+///
+/// float32 semantics as written: no fast-math, IEEE division/sqrt, denormals kept. The accuracy
+/// rule (within one float16 ulp of the float64 value) is met by float32 arithmetic, not by
+/// approximate intrinsics.
+pub fn compile_options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--fmad=true".to_string(),
+        "--ftz=false".to_string(),
+        "--prec-div=true".to_string(),
+        "--prec-sqrt=true".to_string(),
+    ]
+}
+
+/// What NVRTC made of a source for one target: a CUBIN ("sm_*") or PTX ("compute_*"), and the
+/// compiler's log (empty when there is nothing to say: a warning is text here).
+pub struct Compiled {
+    pub image: KernelImage,
+    pub log: String,
+}
+
+pub enum KernelImage {
+    Cubin(Vec<u8>),
+    Ptx(String),
+}
+
+/// The architectures this NVRTC compiles for (compute capability x 10, oldest first). Needs
+/// NVRTC loaded (see [`super::probe_libraries`]); cudarc panics otherwise.
+pub fn supported_architectures() -> anyhow::Result<Vec<i32>> {
     let mut n: c_int = 0;
     // SAFETY: out-parameter calls; the buffer holds the count NVRTC reported.
     unsafe { nvrtc::sys::nvrtcGetNumSupportedArchs(&mut n) }.result()?;
@@ -34,10 +80,12 @@ fn c_chars_to_string(chars: &[c_char]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// Compile [`KERNEL_SOURCE`] for `arch` ("sm_90": a CUBIN for exactly this GPU; "compute_90":
-/// PTX the driver JIT-compiles). A CUBIN is preferred: it loads on any driver of the same CUDA
-/// major version, while PTX from a newer NVRTC than the driver is refused.
-fn nvrtc_compile(arch: &str) -> anyhow::Result<nvrtc::Ptx> {
+/// Compile `source` (called `name` in messages) for `arch` ("sm_90": a CUBIN for exactly this
+/// GPU; "compute_90": PTX the driver JIT-compiles) with [`compile_options`], plus `extra` (the
+/// tests add `--ptxas-options=-v` to read register use and spills; start-up adds nothing). A
+/// CUBIN is preferred at start-up: it loads on any driver of the same CUDA major version, while
+/// PTX from a newer NVRTC than the driver is refused. An error carries NVRTC's log.
+pub fn compile(source: &str, name: &str, arch: &str, extra: &[&str]) -> anyhow::Result<Compiled> {
     use std::ffi::CString;
     struct Program(nvrtc::sys::nvrtcProgram);
     impl Drop for Program {
@@ -46,38 +94,50 @@ fn nvrtc_compile(arch: &str) -> anyhow::Result<nvrtc::Ptx> {
             let _ = unsafe { nvrtc::result::destroy_program(self.0) };
         }
     }
-    let src = CString::new(KERNEL_SOURCE).context("kernel source contains a NUL byte")?;
-    let name = CString::new("features.cu").expect("no NUL");
-    let prog = Program(nvrtc::result::create_program(&src, Some(&name))?);
-    // float32 semantics as written: no fast-math, IEEE division/sqrt, denormals kept. The
-    // accuracy rule (within one float16 ulp of the float64 value) is met by float32 arithmetic,
-    // not by approximate intrinsics.
-    let options = [
-        format!("--gpu-architecture={arch}"),
-        "--fmad=true".to_string(),
-        "--ftz=false".to_string(),
-        "--prec-div=true".to_string(),
-        "--prec-sqrt=true".to_string(),
-    ];
-    // SAFETY: `prog` is alive until the end of this function; `src`/`name` outlive it.
+    let src = CString::new(source).with_context(|| format!("{name} contains a NUL byte"))?;
+    let cname = CString::new(name).context("a file name with a NUL byte")?;
+    let prog = Program(nvrtc::result::create_program(&src, Some(&cname))?);
+    let mut options = compile_options(arch);
+    options.extend(extra.iter().map(|o| o.to_string()));
+    // SAFETY: `prog` is alive until the end of this function; `src`/`cname` outlive it.
     unsafe {
-        if let Err(e) = nvrtc::result::compile_program(prog.0, &options) {
-            let log = nvrtc::result::get_program_log(prog.0)
-                .map(|l| c_chars_to_string(&l))
-                .unwrap_or_default();
-            bail!("NVRTC could not compile kernels/features.cu for {arch}: {e}\n{log}");
+        let compiled = nvrtc::result::compile_program(prog.0, &options);
+        let log = nvrtc::result::get_program_log(prog.0)
+            .map(|l| c_chars_to_string(&l))
+            .unwrap_or_default();
+        if let Err(e) = compiled {
+            bail!(
+                "NVRTC could not compile {name} for {arch}: {e}\n{}",
+                log.trim_end()
+            );
         }
-        if arch.starts_with("sm_") {
+        let image = if arch.starts_with("sm_") {
             let mut size = 0usize;
             nvrtc::sys::nvrtcGetCUBINSize(prog.0, &mut size).result()?;
             let mut cubin = vec![0u8; size];
             nvrtc::sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr() as *mut c_char).result()?;
-            Ok(nvrtc::Ptx::from_binary(cubin))
+            KernelImage::Cubin(cubin)
         } else {
-            let ptx = nvrtc::result::get_ptx(prog.0)?;
-            Ok(nvrtc::Ptx::from_src(c_chars_to_string(&ptx)))
-        }
+            KernelImage::Ptx(c_chars_to_string(&nvrtc::result::get_ptx(prog.0)?))
+        };
+        Ok(Compiled {
+            image,
+            log: log.trim().to_string(),
+        })
     }
+}
+
+/// [`KERNEL_SOURCE`] for `arch`, as start-up loads it. NVRTC's log (a warning) goes to the debug
+/// log: the kernels compile without one (`tests/gpu_readiness.rs`).
+fn nvrtc_compile(arch: &str) -> anyhow::Result<nvrtc::Ptx> {
+    let compiled = compile(KERNEL_SOURCE, "kernels/features.cu", arch, &[])?;
+    if !compiled.log.is_empty() {
+        log::debug!("NVRTC on kernels/features.cu for {arch}: {}", compiled.log);
+    }
+    Ok(match compiled.image {
+        KernelImage::Cubin(cubin) => nvrtc::Ptx::from_binary(cubin),
+        KernelImage::Ptx(ptx) => nvrtc::Ptx::from_src(ptx),
+    })
 }
 
 /// Compile and load the kernels for this GPU: a CUBIN for its exact architecture when NVRTC
@@ -85,7 +145,7 @@ fn nvrtc_compile(arch: &str) -> anyhow::Result<nvrtc::Ptx> {
 pub(super) fn load_kernels(ctx: &Arc<CudaContext>) -> anyhow::Result<(Arc<CudaModule>, String)> {
     let (major, minor) = ctx.compute_capability()?;
     let cc = arch_number(major, minor);
-    let archs = nvrtc_supported_archs().context("asking NVRTC which GPUs it supports")?;
+    let archs = supported_architectures().context("asking NVRTC which GPUs it supports")?;
     let mut targets = Vec::new();
     if archs.contains(&cc) {
         targets.push(format!("sm_{cc}"));
@@ -95,7 +155,7 @@ pub(super) fn load_kernels(ctx: &Arc<CudaContext>) -> anyhow::Result<(Arc<CudaMo
     }
     if targets.is_empty() {
         bail!(
-            "this GPU (compute capability {major}.{minor}) is older than anything NVRTC {} supports (oldest: {}.{})",
+            "this GPU (compute capability {major}.{minor}) is older than anything NVRTC {} supports (oldest: {}.{}); a Volta GPU (7.x) needs NVRTC 12 and cuFFT from CUDA 12: CUDA 13 dropped it",
             nvrtc_version().unwrap_or_else(|_| "?".into()),
             archs.iter().min().map_or(0, |a| a / 10),
             archs.iter().min().map_or(0, |a| a % 10)

@@ -3,10 +3,11 @@
 //! the chunk pipeline (`pipeline.rs`).
 
 use super::compile::load_kernels;
-use super::libraries::{guarded, panic_message, probe_libraries, LibraryStatus};
+use super::libraries::{guarded, panic_message, probe_libraries_with, LibrarySearch};
 use super::parity;
 use super::pipeline::{FftBuffers, InputPath, Kernels, Ring, Slot};
 use super::tables::{chunk_files_for, device_bytes, Geometry, KernelTables};
+use super::Unavailable;
 use super::{BLOCK_THREADS, PLAN_FILES, SLOTS};
 use crate::config::{FeatureSettings, FeatureShape};
 use crate::decode::Waveform;
@@ -74,17 +75,30 @@ impl CudaFeaturiser {
     /// Build the featuriser on GPU 0: probe the libraries, compile the kernels, plan the FFTs,
     /// allocate every buffer, then check a few recordings against the CPU featuriser. Any failure
     /// (no driver, no GPU, NVRTC or cuFFT missing, out of memory, a mismatch) is an error that
-    /// says what went wrong; it never panics.
+    /// says what went wrong; it never panics. The libraries are looked for as the dynamic loader
+    /// finds them and in Python environments ([`LibrarySearch::default`]).
     pub fn new(settings: &FeatureSettings) -> anyhow::Result<Self> {
+        Self::with_libraries(settings, &LibrarySearch::default())
+    }
+
+    /// [`new`](Self::new), the CUDA libraries looked for as `search` says (`gpu.library_path`).
+    /// Missing libraries are an [`Unavailable`] error.
+    pub fn with_libraries(
+        settings: &FeatureSettings,
+        search: &LibrarySearch,
+    ) -> anyhow::Result<Self> {
         let started = std::time::Instant::now();
         let tables = KernelTables::new(settings)?;
-        let missing: Vec<String> = probe_libraries()
-            .iter()
+        let missing: Vec<_> = probe_libraries_with(search)
+            .into_iter()
             .filter(|l| l.loaded.is_none())
-            .map(LibraryStatus::missing_reason)
             .collect();
-        if !missing.is_empty() {
-            bail!("{}", missing.join("; "));
+        if let Some(first) = missing.first() {
+            return Err(Unavailable {
+                first: first.short_reason(),
+                all: missing.iter().map(|l| l.missing_reason()).collect(),
+            }
+            .into());
         }
         let mut featuriser = guarded(|| Self::build(settings, &tables))?;
         let built = started.elapsed().as_secs_f64();

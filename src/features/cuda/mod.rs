@@ -27,8 +27,14 @@ pub mod parity;
 mod pipeline;
 mod tables;
 
+pub use compile::{
+    compile, compile_options, supported_architectures, Compiled, KernelImage, ARCHITECTURES,
+};
 pub use featuriser::{CudaFeaturiser, DeviceTimes};
-pub use libraries::{probe, probe_libraries, CudaProbe, GpuInfo, LibraryStatus};
+pub use libraries::{
+    nvrtc_version, probe, probe_libraries, probe_libraries_with, probe_with, AskPython, CudaProbe,
+    GpuInfo, LibrarySearch, LibraryStatus,
+};
 pub use tables::{Geometry, KernelTables, GEOMETRY_FIELDS};
 
 /// The kernels, compiled by NVRTC at start-up (not at build time: no CUDA toolkit is needed to
@@ -69,3 +75,75 @@ const PLAN_FILES: usize = 64;
 /// Staging slots: triple buffering. While the host copies chunk k into one slot, the GPU works
 /// on chunks k-1 and k-2 in the others (upload, kernels and download on three streams).
 const SLOTS: usize = 3;
+
+/// The GPU cannot be used because CUDA libraries are missing: every reason in full (`doctor`,
+/// `--device cuda`'s error) and the first in a few words (the one log line of a CPU fallback).
+#[derive(Debug)]
+pub struct Unavailable {
+    pub first: String,
+    pub all: Vec<String>,
+}
+
+impl std::fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.all.join("; "))
+    }
+}
+
+impl std::error::Error for Unavailable {}
+
+/// The longest [`fallback_line`], in characters.
+pub const FALLBACK_LINE_MAX: usize = 160;
+
+/// The one line `auto` logs when it featurises on the CPU because the GPU featuriser could not
+/// start: the first reason, shortened to fit [`FALLBACK_LINE_MAX`]; `ailhd doctor` has them all.
+pub fn fallback_line(error: &anyhow::Error) -> String {
+    let reason = match error.downcast_ref::<Unavailable>() {
+        Some(u) => u.first.clone(),
+        None => format!("{error:#}")
+            .lines()
+            .next()
+            .unwrap_or("")
+            .to_string(),
+    };
+    let (head, tail) = (
+        "no usable GPU (",
+        "); featurising on the CPU \u{2014} see ailhd doctor",
+    );
+    let room = FALLBACK_LINE_MAX - head.chars().count() - tail.chars().count();
+    let reason = if reason.chars().count() > room {
+        let cut: String = reason.chars().take(room - 1).collect();
+        format!("{}\u{2026}", cut.trim_end())
+    } else {
+        reason
+    };
+    format!("{head}{reason}{tail}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fallback_line_is_short_and_names_the_first_reason() {
+        let missing = anyhow::Error::new(Unavailable {
+            first: "CUDA driver not found (libcuda.so.1)".into(),
+            all: vec!["a very long reason ".repeat(40), "another".into()],
+        });
+        assert_eq!(
+            fallback_line(&missing),
+            "no usable GPU (CUDA driver not found (libcuda.so.1)); featurising on the CPU \u{2014} see ailhd doctor"
+        );
+        let long = anyhow::anyhow!("{}", "x".repeat(500)).context("GPU start-up self-check");
+        let line = fallback_line(&long);
+        assert_eq!(line.chars().count(), FALLBACK_LINE_MAX, "{line}");
+        assert!(
+            line.starts_with("no usable GPU (GPU start-up self-check: xxx"),
+            "{line}"
+        );
+        assert!(
+            line.ends_with("\u{2026}); featurising on the CPU \u{2014} see ailhd doctor"),
+            "{line}"
+        );
+    }
+}
