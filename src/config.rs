@@ -471,6 +471,9 @@ pub struct Ingest {
     /// After this many seconds without work the service closes its files cleanly, so any
     /// reader opens them plainly; the next file reopens them. 0 = keep them open.
     pub idle_close_s: u64,
+    /// Memory (MiB) the manifest may keep as a cache of its records; what the service holds
+    /// beyond it does not grow with the dataset but for sled's own bookkeeping.
+    pub manifest_cache_mb: u64,
 }
 
 impl Default for Ingest {
@@ -484,6 +487,7 @@ impl Default for Ingest {
             rescan_interval_s: 3600,
             workers: 0,
             idle_close_s: 60,
+            manifest_cache_mb: 16,
         }
     }
 }
@@ -694,6 +698,9 @@ impl Settings {
                 "outputs",
                 "at least one of hdf5 and npy must be true",
             ));
+        }
+        if self.ingest.manifest_cache_mb == 0 {
+            return Err(invalid("ingest.manifest_cache_mb", "must be at least 1"));
         }
         if self.ingest.max_batch_files == 0 {
             return Err(invalid("ingest.max_batch_files", "must be at least 1"));

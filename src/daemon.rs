@@ -86,6 +86,7 @@ pub async fn serve(
         log::warn!("removed {}, left by an interrupted rebuild", p.display());
     }
     let _lock = WriterLocks::acquire(&settings, "run")?;
+    crate::engine::manifest::set_cache_mb(settings.ingest.manifest_cache_mb);
     let _metrics = crate::metrics::Exporter::start(&settings.metrics)?;
     let root = std::path::absolute(&settings.paths.recordings)?;
     // Watch first, then scan: nothing falls between the two. The engine opens (manifest,

@@ -440,7 +440,7 @@ fn serve_http(server: &tiny_http::Server, stop: &AtomicBool) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Read;
+    use std::io::{Read, Write};
 
     /// One test drives the process-wide recorder from start to end (tests run in parallel, and
     /// there is one recorder per process).

@@ -47,8 +47,12 @@ impl RebuildReport {
 /// mtime are the same: `rebuild` does not read them (they would stop it too).
 fn keep_set_aside(settings: &Settings, old: &Manifest) -> anyhow::Result<()> {
     let mut journal = None;
-    for item in old.files() {
-        let (rel, rec) = item?;
+    // Only the quarantined paths (a tree of their own): not every record of the old manifest.
+    for item in old.quarantined() {
+        let (rel, _) = item?;
+        let Some(rec) = old.get_file(&rel)? else {
+            continue;
+        };
         let Some(q) = &rec.quarantine else { continue };
         if q.kind == crate::engine::outcome::STOPPED_WHILE_READING {
             journal
@@ -89,6 +93,7 @@ pub fn rebuild_shard(
 ) -> anyhow::Result<RebuildReport> {
     let started = Instant::now();
     let _lock = WriterLocks::acquire(settings, "rebuild")?;
+    crate::engine::manifest::set_cache_mb(settings.ingest.manifest_cache_mb);
     staging::finish_pending(settings)?;
     staging::prepare(settings)?;
 

@@ -228,6 +228,16 @@ impl ManifestBatch {
     }
 }
 
+/// Bytes of records sled keeps decoded in memory, per open manifest ([`set_cache_mb`]).
+static CACHE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(16 << 20);
+
+/// The memory a manifest opened from now on may keep as a cache of its records
+/// (`ingest.manifest_cache_mb`). sled's own bookkeeping comes on top: about 0.2 KB per record
+/// (README, "Benchmarks").
+pub fn set_cache_mb(mb: u64) {
+    CACHE_BYTES.store(mb.max(1) << 20, Ordering::Relaxed);
+}
+
 /// sled releases its file lock from a background thread after the last handle is dropped, so a
 /// reopen right after a close in the same process can find it still held: wait for it briefly.
 /// Another process holding it is refused by the writer lock before we get here.
@@ -236,7 +246,7 @@ fn open_db(dir: &Path) -> Result<sled::Db, sled::Error> {
     loop {
         match sled::Config::new()
             .path(dir)
-            .cache_capacity(64 << 20)
+            .cache_capacity(CACHE_BYTES.load(Ordering::Relaxed))
             .open()
         {
             Err(sled::Error::Io(e))

@@ -1179,6 +1179,67 @@ mod tests {
             .unwrap();
     }
 
+    /// The comparison with the manifest hands on new paths before it looks at any recorded
+    /// file (its first part holds them, and nothing else about recordings), then what changed
+    /// in place and what is gone; and it agrees with what the tree holds.
+    #[test]
+    fn a_reconcile_hands_on_new_paths_first_then_changes_and_removals() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Settings::in_folder(dir.path());
+        let leak = s.paths.recordings.join("LEAK");
+        std::fs::create_dir_all(&leak).unwrap();
+        let write = |i: usize| {
+            let name = crate::synth::file_name(i, 1);
+            let samples = crate::synth::clip("LEAK", i as u64, 4096, 1.0);
+            std::fs::write(leak.join(&name), crate::synth::wav_pcm16(&samples, 4096)).unwrap();
+            format!("LEAK/{name}")
+        };
+        let recorded: Vec<String> = (0..6).map(write).collect();
+        let mut engine = Engine::open_live(&s, DeviceChoice::Cpu).unwrap();
+        engine
+            .submit(
+                recorded
+                    .iter()
+                    .map(|rel| Input::Load {
+                        rel: rel.clone(),
+                        seen: None,
+                    })
+                    .collect(),
+            )
+            .unwrap();
+        engine.wait().unwrap();
+        // While "stopped": two new files, one changed in place, one deleted.
+        let new: Vec<String> = (10..12).map(write).collect();
+        let changed = &recorded[2];
+        let t = std::fs::File::options()
+            .append(true)
+            .open(s.paths.recordings.join(changed))
+            .unwrap();
+        t.set_len(t.metadata().unwrap().len() + 2).unwrap();
+        std::fs::remove_file(s.paths.recordings.join(&recorded[4])).unwrap();
+
+        let mut parts = Vec::new();
+        reconcile_with(&s, engine.manifest(), &mut |p| parts.push(p)).unwrap();
+        // In the order handed on: both new paths before the changed one and the removal.
+        let order: Vec<&String> = parts
+            .iter()
+            .flat_map(|p| p.changed.iter().chain(&p.removed))
+            .collect();
+        assert_eq!(order.len(), 4, "{order:?}");
+        let mut first_two: Vec<String> = order[..2].iter().map(|s| s.to_string()).collect();
+        first_two.sort();
+        assert_eq!(first_two, new, "new paths come first: {order:?}");
+        let all = reconcile(&s, engine.manifest()).unwrap();
+        let mut changed_all = all.changed.clone();
+        changed_all.sort();
+        let mut want = new.clone();
+        want.push(changed.clone());
+        want.sort();
+        assert_eq!(changed_all, want);
+        assert_eq!(all.removed, vec![recorded[4].clone()]);
+        assert!(all.rejected.is_empty());
+    }
+
     /// A large file goes to its lane: the recordings of its batch are decided and committed
     /// without waiting for it, it follows in a batch of its own; and a later input about its
     /// path (here its removal) makes the lane's result stale.
