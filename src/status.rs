@@ -286,12 +286,33 @@ fn manifest_stamp(settings: &Settings) -> Option<String> {
 /// Keep `report` as the stopped service's: call it once the manifest it was made from is
 /// closed, and nothing else writes it (the writer lock is held, or nobody holds it).
 pub fn save_stopped(settings: &Settings, report: &StatusReport) -> std::io::Result<()> {
+    wait_until_closed(&crate::staging::manifest_dir(settings).join("db"));
     let manifest = manifest_stamp(settings).ok_or_else(|| std::io::Error::other("no manifest"))?;
     let mut report = report.clone();
     report.service = None;
     report.writer = None;
     let json = serde_json::to_vec(&StoppedReport { manifest, report })?;
     crate::durable::replace(&stopped_path(settings), &json, crate::durable::Sync::None)
+}
+
+/// sled writes its last bytes and releases its lock on `db` (flock) from a background thread
+/// after its last handle is dropped: wait (up to 3 s) until the lock is free, so that the
+/// stamp is taken of the files as sled left them.
+fn wait_until_closed(db: &std::path::Path) {
+    use std::os::fd::AsRawFd;
+    let Ok(file) = std::fs::File::open(db) else {
+        return;
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    // SAFETY: flock on a descriptor this function owns.
+    while unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        if std::time::Instant::now() > deadline {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    // SAFETY: as above.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
 }
 
 /// The kept report, if the manifest has not changed since it was made.
