@@ -435,3 +435,47 @@ pub fn write_png(
     let cols = crate::output::read::read(settings)?;
     crate::plot::dataset::write(out, &settings.paths.output, report, &cols)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::manifest::{FileRecord, ManifestBatch};
+
+    fn record(m: &Manifest, rel: &str) {
+        let mut b = ManifestBatch::default();
+        b.put_file(
+            rel,
+            &FileRecord {
+                hash: Some([1; 32]),
+                size: 1,
+                mtime_ns: 1,
+                quarantine: None,
+                updated_ms: 0,
+            },
+        );
+        m.apply(b).unwrap();
+        m.flush().unwrap();
+    }
+
+    /// `status` of a stopped service reads the kept report while the manifest is as it was,
+    /// and counts anew (and keeps that) once the manifest changed.
+    #[test]
+    fn a_kept_report_serves_until_the_manifest_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Settings::in_folder(dir.path());
+        std::fs::create_dir_all(&s.paths.state).unwrap();
+        let mdir = crate::staging::manifest_dir(&s);
+        record(&Manifest::open(&mdir).unwrap(), "LEAK/a.wav");
+        let counted = collect_closed(&s).unwrap();
+        assert_eq!(counted.files.get("committed"), Some(&1));
+        // A kept report that says something else shows it is the kept one that is read.
+        let mut kept = counted.clone();
+        kept.files.insert("committed".into(), 41);
+        save_stopped(&s, &kept).unwrap();
+        assert_eq!(load(&s).unwrap().files.get("committed"), Some(&41));
+        // The manifest changes: counted again, and that report kept.
+        record(&Manifest::open(&mdir).unwrap(), "LEAK/b.wav");
+        assert_eq!(load(&s).unwrap().files.get("committed"), Some(&2));
+        assert_eq!(read_stopped(&s).unwrap().files.get("committed"), Some(&2));
+    }
+}
