@@ -173,12 +173,12 @@ def stream(site, reader, svc, rate, seconds, sample_rss=None):
     return {"p50": q(0.5), "p99": q(0.99), "max": lat[-1], "never seen": len(renamed) - len(lat)}
 
 
-def start_probe(site, reader, tag):
-    """exec -> a recording renamed into the tree at once shows as a row."""
+def start_probe(site, reader, tag, label="LEAK", extra_env=None):
+    """exec -> a recording renamed into the tree at once shows as a row: (service, ms)."""
     t0 = time.monotonic()
-    svc = site.start()
+    svc = site.start(extra_env)
     serial, body = site.next_body()
-    rel = f"LEAK/S000~{tag}{serial}~20250118120530~100.wav"
+    rel = f"{label}/S000~{tag}{serial}~20250118120530~100.wav"
     site.place(rel, body)
     seen = reader.wait_for(rel)
     return svc, ((seen - t0) * 1e3 if seen else float("nan"))
@@ -254,24 +254,15 @@ def one_size(a, n):
 
     if a.rescan_every > 0:
         site.stop(svc)
-        svc = site.start({"AILHD_INGEST__RESCAN_INTERVAL_S": str(a.rescan_every)})
-        serial, body = site.next_body()
-        rel = f"NORMAL/S000~rescan{serial}~20250118120530~100.wav"
-        site.place(rel, body)
-        reader.wait_for(rel)
+        svc, _ = start_probe(site, reader, "rescan", "NORMAL",
+                             {"AILHD_INGEST__RESCAN_INTERVAL_S": str(a.rescan_every)})
         rr = stream(site, reader, svc, 100, max(a.seconds, 3 * a.rescan_every))
         res[f"100/s with a rescan every {a.rescan_every} s: p50 / p99 / max ms"] = (
             f"{rr['p50']:.1f} / {rr['p99']:.1f} / {rr['max']:.0f}")
         never += rr["never seen"]
 
     site.stop(svc, signal.SIGKILL)
-    t0 = time.monotonic()
-    svc = site.start()
-    serial, body = site.next_body()
-    rel = f"NORMAL/S000~killed{serial}~20250118120530~100.wav"
-    site.place(rel, body)
-    seen = reader.wait_for(rel)
-    res["after SIGKILL: exec -> new row ms"] = (seen - t0) * 1e3 if seen else float("nan")
+    svc, res["after SIGKILL: exec -> new row ms"] = start_probe(site, reader, "killed", "NORMAL")
     site.stop(svc)
     reader.close()
     res["never seen"] = never

@@ -171,6 +171,8 @@ pub async fn serve(
                         settler = Settler::new(Duration::from_millis(new.ingest.settle_ms), Duration::from_secs(new.ingest.quarantine_after_s));
                         send(Work::Rescan); // what was settling is picked up again by the rescan
                         settings.ingest = new.ingest.clone();
+                        // For the manifest opened next (after an idle close, say).
+                        crate::engine::manifest::set_cache_mb(settings.ingest.manifest_cache_mb);
                         next_rescan = rescan_deadline(&settings);
                         send(Work::Reload(Box::new(new)));
                         log::info!("configuration reloaded");

@@ -225,11 +225,8 @@ pub fn rebuild_shard(
     }
     let swap_start = Instant::now();
     staging::swap_in(settings)?;
-    if let Err(e) = status_report
-        .map_err(|e| std::io::Error::other(format!("{e:#}")))
-        .and_then(|r| crate::status::save_stopped(settings, &r))
-    {
-        log::debug!("cannot keep the status report of the rebuilt manifest: {e}");
+    if let Err(e) = status_report.and_then(|r| Ok(crate::status::save_stopped(settings, &r)?)) {
+        log::debug!("cannot keep the status report of the rebuilt manifest: {e:#}");
     }
     report.elapsed = started.elapsed();
     report.phases = vec![

@@ -233,7 +233,7 @@ pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
 }
 
 /// The report made from the manifest, opened for it and closed again.
-pub fn collect_closed(settings: &Settings) -> anyhow::Result<StatusReport> {
+fn collect_closed(settings: &Settings) -> anyhow::Result<StatusReport> {
     let manifest = Manifest::open(&crate::staging::manifest_dir(settings))?;
     let appended = manifest.appended_labels()?;
     let labels =

@@ -993,7 +993,7 @@ impl<'a> FolderStat<'a> {
 }
 
 /// CPU seconds the calling thread has used (for debug lines).
-fn nix_thread_cpu() -> f64 {
+fn thread_cpu_seconds() -> f64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -1026,21 +1026,16 @@ pub fn reconcile_with(
     let root = &settings.paths.recordings;
     // Test builds: a sleep here holds a rescan (tests/daemon.rs ingests beside it).
     fail::fail_point!("reconcile-listed", |_| Ok(()));
-    let started = Instant::now();
-    let found = crate::source::scan(root)?;
-    let took = |started: Instant| {
-        let cpu = nix_thread_cpu();
+    let (started, cpu) = (Instant::now(), thread_cpu_seconds());
+    let took = || {
         format!(
             "{:.0} ms ({:.0} ms of CPU)",
             started.elapsed().as_secs_f64() * 1e3,
-            cpu * 1e3
+            (thread_cpu_seconds() - cpu) * 1e3
         )
     };
-    log::debug!(
-        "rescan: {} paths listed after {}",
-        found.len(),
-        took(started)
-    );
+    let found = crate::source::scan(root)?;
+    log::debug!("rescan: {} paths listed after {}", found.len(), took());
     let mut part = Reconciliation::default();
     let mut last_emit = Instant::now();
     let mut flush = |part: &mut Reconciliation, force: bool| {
@@ -1056,24 +1051,18 @@ pub fn reconcile_with(
     let mut records = manifest.files().peekable();
     for (i, item) in found.iter().enumerate() {
         let rel = item.rel();
-        // Records before this path are not listed: gone, or recorded after the listing.
+        // Records before this path are not listed: gone, or recorded after the listing. An
+        // error is taken too, and returned.
         let mut record = None;
-        while let Some(next) = records.peek() {
-            let key = match next {
-                Ok((key, _)) => key.as_str(),
-                Err(_) => return Err(records.next().expect("peeked").unwrap_err().into()),
-            };
-            match key.cmp(rel) {
-                std::cmp::Ordering::Less => {
-                    let (key, _) = records.next().expect("peeked")?;
-                    unlisted.push(key);
-                }
-                std::cmp::Ordering::Equal => {
-                    record = Some(records.next().expect("peeked")?.1);
-                    break;
-                }
-                std::cmp::Ordering::Greater => break,
+        while let Some(next) =
+            records.next_if(|r| r.as_ref().map_or(true, |(key, _)| key.as_str() <= rel))
+        {
+            let (key, rec) = next?;
+            if key == rel {
+                record = Some(rec);
+                break;
             }
+            unlisted.push(key);
         }
         match (item, record) {
             (crate::source::Found::Recording(rel), None) => part.changed.push(rel.clone()),
@@ -1100,7 +1089,7 @@ pub fn reconcile_with(
         unlisted.push(item?.0);
     }
     flush(&mut part, true);
-    log::debug!("rescan: new paths handed on after {}", took(started));
+    log::debug!("rescan: new paths handed on after {}", took());
     // Phase 2: changed in place, or gone (a path recorded after the listing is still there).
     let mut folders = FolderStat::new(root);
     for (i, size, mtime_ns) in known {
@@ -1119,7 +1108,7 @@ pub fn reconcile_with(
         }
     }
     flush(&mut part, true);
-    log::debug!("rescan: changed and gone handed on after {}", took(started));
+    log::debug!("rescan: changed and gone handed on after {}", took());
     // Phase 3: a row waiting to be made anew (its owner was to be read again when we stopped).
     for item in manifest.contents() {
         let (_, c) = item?;
@@ -1133,7 +1122,7 @@ pub fn reconcile_with(
         }
     }
     flush(&mut part, true);
-    log::debug!("rescan: done after {}", took(started));
+    log::debug!("rescan: done after {}", took());
     Ok(())
 }
 

@@ -305,11 +305,12 @@ def reused_outputs(ds, t, what, rng):
     print(f"{what}: batch outputs reused only once nothing refers to them")
 
 
-def copy_unaligned(src, dst):
+def copy_rewritten(src, dst, libver=("v110", "v110")):
     """src's datasets, rewritten by h5py with the same chunks but no file-space alignment (as
-    other writers, and ailhd before it aligned its chunks, lay them out)."""
+    other writers, and ailhd before it aligned its chunks, lay them out), in the file format of
+    `libver` ("earliest": HDF5's oldest, whose chunk index is a B-tree)."""
     with h5py.File(src, "r", libver="latest", swmr=True, locking=False) as f, h5py.File(
-            dst, "w", libver=("v110", "v110")) as g:
+            dst, "w", libver=libver) as g:
         for name, d in f.items():
             if d.chunks is None:
                 g.create_dataset(name, data=d[:])
@@ -325,7 +326,7 @@ def unaligned_hdf5(out, scratch, rng):
     d = os.path.join(scratch, "unaligned")
     os.makedirs(d)
     src = os.path.join(out, SPLIT_FILES["training"])
-    in_child(copy_unaligned, src, os.path.join(d, SPLIT_FILES["training"]))
+    in_child(copy_rewritten, src, os.path.join(d, SPLIT_FILES["training"]))
     ds = LiveDataset(d, "training", "hdf5")
     if not ds.direct or ds._block != 0:
         fail(f"unaligned copy: direct {ds.direct}, blocks of {ds._block} (expected the "
@@ -378,7 +379,7 @@ def appended_chunks(out, scratch, rng):
         if kind == "ailhd":
             shutil.copy(src, path)
         else:
-            in_child(copy_btree, src, path)
+            in_child(copy_rewritten, src, path, "earliest")
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             ds = LiveDataset(d, "training", "hdf5")
@@ -419,19 +420,6 @@ def appended_chunks(out, scratch, rng):
         finally:
             os.close(fd)
     print("chunk index read raw: equal to HDF5's addresses over 140,000 chunks")
-
-
-def copy_btree(src, dst):
-    """src's datasets rewritten by h5py with HDF5's oldest file format (chunk index: a B-tree)."""
-    with h5py.File(src, "r", libver="latest", swmr=True, locking=False) as f, h5py.File(
-            dst, "w", libver="earliest") as g:
-        for name, d in f.items():
-            if d.chunks is None:
-                g.create_dataset(name, data=d[:])
-            else:
-                g.create_dataset(name, data=d[:], chunks=d.chunks, maxshape=d.maxshape)
-        for k, v in f.attrs.items():
-            g.attrs[k] = v
 
 
 def main():
