@@ -6,7 +6,12 @@ Runs each given `ailhd` binary in turn on a fresh tree (alternating, `--rounds` 
 `--rate` recordings/s for `--seconds`, while one h5py SWMR reader polls the three split files
 every millisecond, and prints p50 / p90 / p99 / max per run and the medians per binary.
 
+Before the timed stream, one recording is fed and waited for (its time from the outputs'
+appearance is printed as "first row"): a GPU featuriser may still be starting then, and the
+stream measures the warm service.
+
 usage: python3 benches/reader_latency.py BIN [BIN ...] [--rate 100] [--seconds 20] [--rounds 2]
+                                         [--device cpu|cuda|auto] [--log-dir DIR]
 """
 import argparse
 import os
@@ -42,7 +47,7 @@ def cpu_model():
     return platform.processor()
 
 
-def one_run(binary, rate, seconds, seed):
+def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None):
     with tempfile.TemporaryDirectory() as d:
         rec, out, state = (os.path.join(d, x) for x in ("rec", "out", "state"))
         for label in ("LEAK", "NORMAL"):
@@ -51,7 +56,7 @@ def one_run(binary, rate, seconds, seed):
         cfg = os.path.join(d, "ailhd.toml")
         with open(cfg, "w") as f:
             f.write(f'[paths]\nrecordings = "{rec}"\noutput = "{out}"\nstate = "{state}"\n')
-            f.write('[ingest]\ndevice = "cpu"\nrescan_interval_s = 0\n')
+            f.write(f'[ingest]\ndevice = "{device}"\nrescan_interval_s = 0\n')
         env = dict(os.environ, RUNTIME_DIRECTORY=os.path.join(d, "run"))
         log = open(os.path.join(d, "run.log"), "w")
         svc = subprocess.Popen([binary, "--config", cfg, "run"], stdout=log, stderr=log, env=env)
@@ -60,8 +65,10 @@ def one_run(binary, rate, seconds, seed):
             while not all(os.path.exists(os.path.join(out, n)) for n in NAMES):
                 assert time.time() < deadline, "the service did not create its outputs"
                 time.sleep(0.05)
-            time.sleep(0.5)
+            appeared = time.monotonic()
             files = [h5py.File(os.path.join(out, n), "r", libver="latest", swmr=True) for n in NAMES]
+            first = first_row(files, os.path.join(d, "incoming"), rec, seed)
+            first_ms = (first - appeared) * 1e3
             n = int(rate * seconds)
             renamed, seen = {}, {}
             bodies = [clip(seed * 1_000_000 + i) for i in range(n)]
@@ -81,7 +88,7 @@ def one_run(binary, rate, seconds, seed):
 
             feeder = threading.Thread(target=feed)
             feeder.start()
-            done = [0, 0, 0]
+            done = [int(f["committed_rows"][0]) for f in files]
             end = None
             while len(seen) < n:
                 now = time.monotonic()
@@ -104,10 +111,42 @@ def one_run(binary, rate, seconds, seed):
         finally:
             svc.send_signal(signal.SIGTERM)
             svc.wait(timeout=60)
+            log.close()
+            if log_dir:
+                # The service's log and each recording's (renamed, seen) times, for a look at a tail.
+                tag = f"{device}-{rate:g}-{seed}"
+                os.makedirs(log_dir, exist_ok=True)
+                with open(os.path.join(d, "run.log")) as src, \
+                        open(os.path.join(log_dir, f"service-{tag}.log"), "w") as dst:
+                    dst.write(src.read())
+                t0 = min(renamed.values(), default=0.0)
+                with open(os.path.join(log_dir, f"latency-{tag}.csv"), "w") as f:
+                    f.write("renamed_s,latency_ms,path\n")
+                    for p, t in sorted(renamed.items(), key=lambda kv: kv[1]):
+                        lat_ms = (seen[p] - t) * 1e3 if p in seen else float("nan")
+                        f.write(f"{t - t0:.4f},{lat_ms:.2f},{p}\n")
         lat = sorted((seen[p] - t) * 1e3 for p, t in renamed.items() if p in seen)
         missing = len(renamed) - len(lat)
         q = lambda x: lat[min(len(lat) - 1, int(x * len(lat)))]
-        return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": lat[-1], "missing": missing}
+        return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": lat[-1], "missing": missing,
+                "first": first_ms}
+
+
+def first_row(files, incoming, rec, seed, limit=60):
+    """Feed one recording and wait until a reader sees a row; when it did."""
+    name = "S999~R999999~20250118120530~100.wav"
+    tmp = os.path.join(incoming, name)
+    with open(tmp, "wb") as f:
+        f.write(clip(seed * 1_000_000 + 999_999))
+    os.rename(tmp, os.path.join(rec, "LEAK", name))
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        for f in files:
+            f["committed_rows"].refresh()
+            if int(f["committed_rows"][0]) > 0:
+                return time.monotonic()
+        time.sleep(0.001)
+    raise AssertionError("the first recording never showed")
 
 
 def main():
@@ -116,15 +155,19 @@ def main():
     ap.add_argument("--rate", type=float, default=100)
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    ap.add_argument("--log-dir", help="keep each run's service log and per-recording times here")
     a = ap.parse_args()
-    print(f"# {cpu_model()}, {os.cpu_count()} cores; {a.rate:g} recordings/s for {a.seconds:g} s")
+    print(f"# {cpu_model()}, {os.cpu_count()} cores; {a.rate:g} recordings/s for {a.seconds:g} s; "
+          f"device {a.device}")
     results = {b: [] for b in a.bins}
     for r in range(a.rounds):
         for b in a.bins:
-            res = one_run(b, a.rate, a.seconds, seed=r + 1)
+            res = one_run(b, a.rate, a.seconds, seed=r + 1, device=a.device, log_dir=a.log_dir)
             results[b].append(res)
             print(f"{b}: round {r + 1}: p50 {res['p50']:.1f} ms, p90 {res['p90']:.1f} ms, "
-                  f"p99 {res['p99']:.1f} ms, max {res['max']:.1f} ms, never seen {res['missing']}",
+                  f"p99 {res['p99']:.1f} ms, max {res['max']:.1f} ms, never seen {res['missing']}; "
+                  f"first row {res['first']:.0f} ms after the outputs appeared",
                   flush=True)
     for b, rs in results.items():
         med = {k: statistics.median(x[k] for x in rs) for k in ("p50", "p90", "p99", "max")}

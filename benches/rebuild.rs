@@ -8,9 +8,22 @@
 //! threads were, and peak memory.
 //!
 //! cargo bench --bench rebuild [-- N]
+//!
+//! `-- --ceiling [N]` measures what the host pipeline can do when featurising costs next to
+//! nothing, as on a GPU host: the real engine (scan, read, hash, decode, decide, HDF5 + npy
+//! writes, manifest, swap) with a pass-through featuriser that emits correctly shaped rows
+//! without computing them (this file's [`PassThrough`]; no user option). It takes turns with
+//! the real CPU rebuild three times and prints `ceiling: N files/s`, the stage table of the
+//! median run, how busy each stage was, and the rate the measured per-stage costs predict for
+//! 4, 8 and 16 cores with the stage that would cap it. Run it under `taskset -c 0-3` etc. to
+//! measure core scaling (the engine sizes its threads from the cores it may use).
 
-use ailhd::config::{DeviceChoice, Settings};
-use ailhd::rebuild::{rebuild, Ui};
+use ailhd::config::{DeviceChoice, FeatureShape, Settings};
+use ailhd::decode::Waveform;
+use ailhd::features::Featuriser;
+use ailhd::rebuild::{rebuild, rebuild_with, RebuildReport, Ui};
+use ailhd::shard::Shard;
+use half::f16;
 use std::time::Instant;
 
 fn peak_rss_mb() -> f64 {
@@ -29,6 +42,7 @@ fn main() {
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(5000);
+    let ceiling_mode = std::env::args().any(|a| a == "--ceiling");
     let dir = tempfile::tempdir().unwrap();
     let labels = ["BACKGROUND", "CRACK", "LEAK", "NORMAL", "UNCLASSIFIED"];
     let t = Instant::now();
@@ -47,6 +61,10 @@ fn main() {
 
     let s = Settings::in_folder(dir.path());
     let ui = Ui { progress: false };
+    if ceiling_mode {
+        ceiling(&s, &ui);
+        return;
+    }
     // First run warms the page cache (and the allocator); then ailhd and the baseline take
     // turns, three times each, and the medians are compared (the machine's load drifts).
     let warm = rebuild(&s, DeviceChoice::Cpu, &ui).unwrap();
@@ -165,4 +183,188 @@ fn numpy_baseline(
         .and_then(|s| s.split_whitespace().next())
         .and_then(|s| s.parse::<f64>().ok())
         .ok_or_else(|| format!("unexpected output: {text}"))
+}
+
+/// A featuriser that computes nothing: each row is its recording's samples, reinterpreted as
+/// finite float16 values and repeated to the row's length (bytes as varied as real rows, so the
+/// sinks' costs are real). Its batches are the GPU's bulk size.
+struct PassThrough {
+    shape: FeatureShape,
+    done: std::collections::VecDeque<Vec<f16>>,
+}
+
+impl Featuriser for PassThrough {
+    fn name(&self) -> String {
+        "pass-through (ceiling benchmark)".into()
+    }
+    fn shape(&self) -> FeatureShape {
+        self.shape
+    }
+    fn featurise(&mut self, batch: &[&Waveform], out: &mut [f16]) -> anyhow::Result<()> {
+        let row_len = self.shape.row_len();
+        for (w, row) in batch.iter().zip(out.chunks_mut(row_len)) {
+            match w {
+                Waveform::Pcm16(v) => {
+                    for (dst, src) in row.iter_mut().zip(v.iter().cycle()) {
+                        // Clear the sign and the exponent's low bit: never Inf or NaN.
+                        *dst = f16::from_bits(*src as u16 & 0x7BFF);
+                    }
+                }
+                Waveform::Float(v) => {
+                    for (dst, src) in row.iter_mut().zip(v.iter().cycle()) {
+                        *dst = f16::from_f32(*src);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+    fn submit(&mut self, batch: &[&Waveform], mut rows: Vec<f16>) -> anyhow::Result<()> {
+        self.featurise(batch, &mut rows)?;
+        self.done.push_back(rows);
+        Ok(())
+    }
+    fn finish(&mut self) -> anyhow::Result<Option<Vec<f16>>> {
+        Ok(self.done.pop_front())
+    }
+    fn bulk_batch(&self) -> usize {
+        1024
+    }
+}
+
+fn pass_through(s: &Settings) -> anyhow::Result<Box<dyn Featuriser>> {
+    Ok(Box::new(PassThrough {
+        shape: s.features.shape(),
+        done: Default::default(),
+    }))
+}
+
+/// Seconds per file of each stage (thread time summed over threads).
+fn per_file(r: &RebuildReport, names: &[&str]) -> f64 {
+    r.stages
+        .iter()
+        .filter(|(n, _)| names.contains(n))
+        .map(|(_, s)| s)
+        .sum::<f64>()
+        / r.files as f64
+}
+
+fn median_run(mut runs: Vec<RebuildReport>) -> RebuildReport {
+    runs.sort_by_key(|r| r.elapsed);
+    runs.swap_remove(runs.len() / 2)
+}
+
+/// `--ceiling`: the pass-through pipeline and the real CPU one, taking turns.
+fn ceiling(s: &Settings, ui: &Ui) {
+    let threads = s.worker_threads();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    println!("machine: {cpu}, {threads} cores this process may use");
+    let through = |s: &Settings| rebuild_with(s, ui, Shard::ALL, |_| pass_through(s)).unwrap();
+    let warm = through(s);
+    println!(
+        "warm-up (pass-through): {:.0} files/s",
+        warm.files_per_sec()
+    );
+    let (mut fast, mut real) = (Vec::new(), Vec::new());
+    for round in 1..=3 {
+        warm_cache(&s.paths.recordings);
+        let r = through(s);
+        print!(
+            "round {round}: pass-through {:>7.0} files/s",
+            r.files_per_sec()
+        );
+        fast.push(r);
+        warm_cache(&s.paths.recordings);
+        let r = rebuild(s, DeviceChoice::Cpu, ui).unwrap();
+        println!("   real cpu {:>7.0} files/s", r.files_per_sec());
+        real.push(r);
+    }
+    let (r, cpu_run) = (median_run(fast), median_run(real));
+    println!("ceiling: {:.0} files/s", r.files_per_sec());
+    println!(
+        "  real cpu rebuild, same tree: {:.0} files/s (median of 3)",
+        cpu_run.files_per_sec()
+    );
+    println!(
+        "  {} files in {:.3} s; phases (wall seconds): {}",
+        r.files,
+        r.elapsed.as_secs_f64(),
+        r.phases
+            .iter()
+            .map(|(p, s)| format!("{p} {s:.3}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let ingest = r
+        .phases
+        .iter()
+        .find(|(p, _)| *p == "ingest")
+        .map(|(_, s)| *s)
+        .unwrap_or(f64::NAN);
+    println!("  stage        us/file (thread time; pass-through | real cpu)");
+    for ((stage, secs), (_, real_secs)) in r.stages.iter().zip(&cpu_run.stages) {
+        println!(
+            "    {stage:<10} {:>7.1} | {:>7.1}",
+            secs * 1e6 / r.files as f64,
+            real_secs * 1e6 / cpu_run.files as f64
+        );
+    }
+    let load = per_file(&r, &["read", "hash", "decode"]);
+    let decide = per_file(&r, &["decide"]);
+    let featurise = per_file(&r, &["featurise"]);
+    // In bulk the commit thread writes a plan's rows while an output thread records it in the
+    // manifest: "write" is the commit thread's whole time per plan (its wait for the manifest
+    // included), "manifest" the output thread's.
+    let (write, manifest) = (per_file(&r, &["write"]), per_file(&r, &["manifest"]));
+    let files = r.files as f64;
+    let ingest_rate = files / ingest;
+    println!(
+        "  busy during ingest: loaders {:.0}% of {threads} threads, decide {:.0}%, featurise {:.0}%, commit {:.0}% (manifest {:.0}%)",
+        100.0 * load * ingest_rate / threads as f64,
+        100.0 * decide * ingest_rate,
+        100.0 * featurise * ingest_rate,
+        100.0 * write * ingest_rate,
+        100.0 * manifest * ingest_rate,
+    );
+    let fixed = r.elapsed.as_secs_f64() - ingest;
+    println!(
+        "  ingest phase {ingest_rate:.0} files/s; the fixed phases (start, close, swap) {:.0} ms",
+        fixed * 1e3
+    );
+    // The prediction: loaders share the cores; decide (the submitting thread), featurise (its
+    // own thread, feeding the GPU), commit and the manifest (one thread each) are serial; all
+    // of it together uses at most the cores there are; the fixed phases as measured here.
+    println!(
+        "  predicted with a GPU featuriser from these per-stage costs, {} files:",
+        r.files
+    );
+    for cores in [threads, 4, 8, 16] {
+        let caps = [
+            (
+                "all stages' CPU",
+                cores as f64 / (load + decide + featurise + write + manifest),
+            ),
+            ("load (read+hash+decode)", cores as f64 / load),
+            ("decide", 1.0 / decide),
+            ("featurise hand-off", 1.0 / featurise),
+            ("commit (write)", 1.0 / write),
+            ("manifest", 1.0 / manifest),
+        ];
+        let (what, cap) = caps
+            .iter()
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .copied()
+            .unwrap();
+        let whole = files / (fixed + files / cap);
+        println!(
+            "    {cores:>2} cores: ingest {cap:>7.0} files/s, capped by {what}; whole run {whole:>7.0} files/s"
+        );
+    }
 }

@@ -91,6 +91,20 @@ pub fn rebuild_shard(
     ui: &Ui,
     shard: Shard,
 ) -> anyhow::Result<RebuildReport> {
+    rebuild_with(settings, ui, shard, |threads| {
+        features::build(&settings.features, &settings.gpu, device, threads)
+    })
+}
+
+/// [`rebuild_shard`] with the featuriser `make_featuriser(worker threads)` returns, built while
+/// the tree is scanned. For benchmarks that put another featuriser in the real pipeline
+/// (`cargo bench --bench rebuild -- --ceiling`); users choose with `--device`.
+pub fn rebuild_with(
+    settings: &Settings,
+    ui: &Ui,
+    shard: Shard,
+    make_featuriser: impl FnOnce(usize) -> anyhow::Result<Box<dyn features::Featuriser>> + Send,
+) -> anyhow::Result<RebuildReport> {
     let started = Instant::now();
     let _lock = WriterLocks::acquire(settings, "rebuild")?;
     crate::engine::manifest::set_cache_mb(settings.ingest.manifest_cache_mb);
@@ -114,8 +128,7 @@ pub fn rebuild_shard(
                 Vec::new()
             })
         });
-        let featuriser =
-            scope.spawn(|| features::build(&settings.features, &settings.gpu, device, threads));
+        let featuriser = scope.spawn(|| make_featuriser(threads));
         let stores = scope.spawn(|| {
             Engine::create_bulk(
                 settings,

@@ -12,10 +12,13 @@
 #   tests    the gpu_parity tests with AILHD_REQUIRE_GPU=1 (fail, never skip)
 #   parity   rebuild of the fixture tree with --device cuda and cpu, both setups; rows against
 #            the reference fixtures and cuda against cpu, read with h5py (parity.py)
-#   dataset  the benchmark tree: $N clips (default 39,563) made by make_dataset.py
+#   dataset  the benchmark tree: $N clips (default 39,563) made by make_tree.py (every core)
 #   bench    two rounds of: rebuild --device cuda (peak GPU memory sampled), rebuild --device
 #            cpu, the torchaudio implementation of the same job (torchaudio_baseline.py)
 #   daemon   the service at 100 clips/s and a burst, featurising on the GPU (daemon benchmark)
+#   latency  the warm service at 100 and 1,000 clips/s as an h5py SWMR reader sees it, cuda and
+#            cpu (benches/reader_latency.py)
+#   ceiling  benches/rebuild.rs --ceiling on 4, 8 and all cores (carried as rebuild_bench)
 # Results and logs go to $OUT (default /tmp/ailhd-gpu); scratch to $WORK (default /tmp/ailhd-work).
 set -uo pipefail
 CARRY=${CARRY:-.device-carry}
@@ -59,7 +62,8 @@ echo "=== $step"
 case $step in
 info)
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/info.txt"
-    { nproc; free -g | head -2; ldconfig -p | grep -E 'libcuda\.so|libnvrtc|libcufft' | head; } | tee -a "$OUT/info.txt"
+    { nproc; lscpu | grep -m1 'Model name'; free -g | head -2; ldconfig -p | grep -E 'libcuda\.so|libnvrtc|libcufft' | head
+      timeout 20 find /usr /opt -xdev \( -name 'libnvrtc.so*' -o -name 'libcufft.so*' \) 2>/dev/null | head; } | tee -a "$OUT/info.txt"
     ;;
 doctor)
     "$BIN" doctor 2>&1 | tee "$OUT/doctor.txt" || failed=1
@@ -90,8 +94,8 @@ dataset)
         echo "tree of $N clips already at $W/tree"
     else
         rm -rf "$W/tree"
-        printf 'make_dataset.py, %s clips: ' "$N"
-        timed "$OUT/dataset.log" python3 "$CARRY/make_dataset.py" "$W/tree" "$N" 1
+        printf 'make_tree.py, %s clips: ' "$N"
+        timed "$OUT/dataset.log" python3 "$HERE/make_tree.py" "$W/tree" "$N" 1
     fi
     du -sh "$W/tree"
     ;;
@@ -109,7 +113,8 @@ bench)
                 smi=$!
             fi
             printf 'rebuild --device %s round %s: ' $dev $round
-            timed "$OUT/bench-$dev-$round.json" "$BIN" --config "$c" rebuild --device $dev --json
+            timed "$OUT/bench-$dev-$round.json" "$BIN" --verbose --config "$c" rebuild --device $dev --json
+            grep -h -E "CUDA start-up|featuriser ready|GPU featuriser," "$OUT/bench-$dev-$round.json.err" | cut -c1-400
             if [ -n "$smi" ]; then
                 kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
                 echo "  peak GPU memory in use (whole GPU, MiB): $(sort -n "$OUT/gpu-memory-$round.csv" | tail -1)"
@@ -130,6 +135,28 @@ daemon)
     AILHD_INGEST__DEVICE=cuda timeout "${DAEMON_TIMEOUT:-500}" "$CARRY/daemon_bench" "${dargs[@]}" \
         >"$OUT/daemon-cuda.txt" 2>&1 || { echo "daemon benchmark FAILED (exit $?)"; failed=1; }
     tail -20 "$OUT/daemon-cuda.txt"
+    ;;
+latency)
+    # As a trainer's h5py SWMR reader sees it (rename -> row below committed_rows), the warm
+    # service on each device, after a first recording (its "first row" includes the start-up).
+    for rate in 100 1000; do
+        secs=10; [ $rate = 1000 ] && secs=5
+        for dev in cuda cpu; do
+            printf 'reader latency, %s/s, --device %s: ' $rate $dev
+            python3 "$HERE/../reader_latency.py" "$BIN" --device $dev --rate $rate --seconds $secs --rounds 1 \
+                >"$OUT/latency-$dev-$rate.txt" 2>&1 || failed=1
+            grep "round 1" "$OUT/latency-$dev-$rate.txt" | sed 's/^[^:]*: //'
+        done
+    done
+    ;;
+ceiling)
+    # The host pipeline with a pass-through featuriser (benches/rebuild.rs --ceiling) on 4, 8
+    # and all cores.
+    for cores in 4 8 "$(nproc)"; do
+        echo "-- ceiling on $cores cores"
+        taskset -c "0-$((cores - 1))" "$CARRY/rebuild_bench" --ceiling 5000 >"$OUT/ceiling-$cores.txt" 2>&1 || failed=1
+        grep -E "^machine|^ceiling|real cpu rebuild|^  (ingest|busy)|    (read|hash|decode|decide|featurise|write|manifest) " "$OUT/ceiling-$cores.txt"
+    done
     ;;
 *)
     echo "unknown step $step"; failed=1

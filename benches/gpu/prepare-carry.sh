@@ -26,7 +26,8 @@ for line in sys.stdin:
 }
 parity_exe=$(exe_of gpu_parity test test --release --test gpu_parity)
 daemon_exe=$(exe_of daemon bench bench --bench daemon)  # the bench profile: release settings
-if [ -z "$parity_exe" ] || [ -z "$daemon_exe" ]; then
+rebuild_exe=$(exe_of rebuild bench bench --bench rebuild)
+if [ -z "$parity_exe" ] || [ -z "$daemon_exe" ] || [ -z "$rebuild_exe" ]; then
     echo "could not find the test/bench executables" >&2
     exit 1
 fi
@@ -36,6 +37,8 @@ mkdir -p "$CARRY/shared/fixtures" "$CARRY/shared/tools"
 cp "$TARGET/release/ailhd" "$CARRY/ailhd"
 cp "$parity_exe" "$CARRY/gpu_parity"
 cp "$daemon_exe" "$CARRY/daemon_bench"
+cp "$rebuild_exe" "$CARRY/rebuild_bench"
+strip "$CARRY/rebuild_bench" "$CARRY/daemon_bench" "$CARRY/gpu_parity" 2>/dev/null || true
 # The daemon benchmark runs the binary at the path cargo baked into it (CARGO_BIN_EXE_ailhd).
 realpath "$TARGET/release/ailhd" >"$CARRY/daemon_bench.ailhd-path"
 cp -r "$SHARED/fixtures/features" "$CARRY/shared/fixtures/"

@@ -563,6 +563,28 @@ impl Manifest {
     pub fn apply(&self, batch: ManifestBatch) -> Result<(), ManifestError> {
         let mut guard = self.summary.lock().unwrap_or_else(|p| p.into_inner());
         let mut summary = guard.clone();
+        let [content, shared, files, quarantine, mut meta] = self.changes(batch, &mut summary)?;
+        if summary != *guard {
+            meta.insert("summary", encode(&summary));
+        }
+        self.commit_transaction([
+            (&*self.content, content),
+            (&*self.shared, shared),
+            (&*self.files, files),
+            (&*self.quarantine, quarantine),
+            (&*self.meta, meta),
+        ])?;
+        *guard = summary;
+        Ok(())
+    }
+
+    /// The sled batches of `batch` for the content, shared, files, quarantine and meta trees,
+    /// and `summary` moved by the records it replaces and adds.
+    fn changes(
+        &self,
+        batch: ManifestBatch,
+        summary: &mut Summary,
+    ) -> Result<[sled::Batch; 5], ManifestError> {
         let (mut files, mut quarantine) = (sled::Batch::default(), sled::Batch::default());
         let mut seen_files: std::collections::HashMap<&str, Option<&FileRecord>> =
             Default::default();
@@ -623,21 +645,19 @@ impl Manifest {
                 rows.to_string().as_bytes(),
             );
         }
-        let mut meta = batch.meta;
-        if summary != *guard {
-            meta.insert("summary", encode(&summary));
-        }
-        // One transaction over the five trees: a crash keeps all of the batch or none of it,
-        // so the summary never drifts from the records it counts.
+        Ok([content, shared, files, quarantine, batch.meta])
+    }
+
+    /// One transaction over the five trees: a crash keeps all of the batch or none of it, so
+    /// the summary never drifts from the records it counts.
+    fn commit_transaction(
+        &self,
+        trees: [(&sled::Tree, sled::Batch); 5],
+    ) -> Result<(), ManifestError> {
         use sled::transaction::{ConflictableTransactionError, TransactionError};
         use sled::Transactional;
-        (
-            &*self.content,
-            &*self.shared,
-            &*self.files,
-            &*self.quarantine,
-            &*self.meta,
-        )
+        let [(c0, content), (s0, shared), (f0, files), (q0, quarantine), (m0, meta)] = trees;
+        (c0, s0, f0, q0, m0)
             .transaction(|(c, s, f, q, m)| {
                 c.apply_batch(&content)?;
                 s.apply_batch(&shared)?;
@@ -649,9 +669,7 @@ impl Manifest {
             .map_err(|e| match e {
                 TransactionError::Storage(e) => self.err(e),
                 TransactionError::Abort(()) => unreachable!("the transaction never aborts"),
-            })?;
-        *guard = summary;
-        Ok(())
+            })
     }
 
     /// Durable on disk (sled flushes on its own every few hundred ms; commits call this).

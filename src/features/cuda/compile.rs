@@ -128,8 +128,9 @@ pub fn compile(source: &str, name: &str, arch: &str, extra: &[&str]) -> anyhow::
 }
 
 /// [`KERNEL_SOURCE`] for `arch`, as start-up loads it. NVRTC's log (a warning) goes to the debug
-/// log: the kernels compile without one (`tests/gpu_readiness.rs`).
-fn nvrtc_compile(arch: &str) -> anyhow::Result<nvrtc::Ptx> {
+/// log: the kernels compile without one (`tests/gpu_readiness.rs`). Needs no CUDA context: start-up
+/// runs it beside the context's creation.
+pub(super) fn nvrtc_compile(arch: &str) -> anyhow::Result<nvrtc::Ptx> {
     let compiled = compile(KERNEL_SOURCE, "kernels/features.cu", arch, &[])?;
     if !compiled.log.is_empty() {
         log::debug!("NVRTC on kernels/features.cu for {arch}: {}", compiled.log);
@@ -140,10 +141,10 @@ fn nvrtc_compile(arch: &str) -> anyhow::Result<nvrtc::Ptx> {
     })
 }
 
-/// Compile and load the kernels for this GPU: a CUBIN for its exact architecture when NVRTC
-/// supports it, else PTX for the newest architecture NVRTC knows that the GPU can run.
-pub(super) fn load_kernels(ctx: &Arc<CudaContext>) -> anyhow::Result<(Arc<CudaModule>, String)> {
-    let (major, minor) = ctx.compute_capability()?;
+/// What to compile the kernels for on a GPU of compute capability `major.minor`, best first: a
+/// CUBIN for its exact architecture when NVRTC supports it, then PTX for the newest architecture
+/// NVRTC knows that the GPU can run.
+pub(super) fn targets_for(major: i32, minor: i32) -> anyhow::Result<Vec<String>> {
     let cc = arch_number(major, minor);
     let archs = supported_architectures().context("asking NVRTC which GPUs it supports")?;
     let mut targets = Vec::new();
@@ -161,14 +162,26 @@ pub(super) fn load_kernels(ctx: &Arc<CudaContext>) -> anyhow::Result<(Arc<CudaMo
             archs.iter().min().map_or(0, |a| a % 10)
         );
     }
+    Ok(targets)
+}
+
+/// Load the kernels into `ctx`: `first` is what NVRTC made for `targets[0]` (compiled while the
+/// context was created); when the driver refuses it, the next targets are compiled and tried.
+pub(super) fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    targets: &[String],
+    first: anyhow::Result<nvrtc::Ptx>,
+) -> anyhow::Result<(Arc<CudaModule>, String)> {
     let mut failures = Vec::new();
+    let mut first = Some(first);
     for target in targets {
-        let loaded = nvrtc_compile(&target).and_then(|image| {
+        let image = first.take().unwrap_or_else(|| nvrtc_compile(target));
+        let loaded = image.and_then(|image| {
             ctx.load_module(image)
                 .map_err(|e| anyhow!("the driver refused the compiled kernels: {e}"))
         });
         match loaded {
-            Ok(module) => return Ok((module, target)),
+            Ok(module) => return Ok((module, target.clone())),
             Err(e) => {
                 log::warn!("CUDA kernels for {target}: {e:#}");
                 failures.push(format!("{target}: {e:#}"));

@@ -2,7 +2,7 @@
 //! float64 reference before anyone relies on it, then kept warm; `featurise` hands batches to
 //! the chunk pipeline (`pipeline.rs`).
 
-use super::compile::load_kernels;
+use super::compile::{load_kernels, nvrtc_compile, targets_for};
 use super::libraries::{guarded, panic_message, probe_libraries_with, LibrarySearch};
 use super::parity;
 use super::pipeline::{FftBuffers, InputPath, Kernels, Ring, Slot};
@@ -123,22 +123,36 @@ impl CudaFeaturiser {
     fn build(settings: &FeatureSettings, tables: &KernelTables) -> anyhow::Result<Self> {
         let count = CudaContext::device_count().context("initialising the CUDA driver (cuInit)")?;
         ensure!(count > 0, "the CUDA driver reports no GPU");
+        let (major, minor) = compute_capability(0)?;
+        let targets = targets_for(major, minor)?;
+        // NVRTC needs no context: the kernels compile while the context opens and the buffers
+        // and FFT plan are made (each is a good part of the start-up).
+        std::thread::scope(|scope| {
+            let compiling = scope.spawn(|| {
+                let t = std::time::Instant::now();
+                (nvrtc_compile(&targets[0]), t.elapsed().as_secs_f64())
+            });
+            Self::build_beside(settings, tables, &targets, compiling)
+        })
+    }
+
+    /// [`build`](Self::build) once the compile of the kernels is under way in `compiling`.
+    fn build_beside(
+        settings: &FeatureSettings,
+        tables: &KernelTables,
+        targets: &[String],
+        compiling: std::thread::ScopedJoinHandle<'_, (anyhow::Result<cudarc::nvrtc::Ptx>, f64)>,
+    ) -> anyhow::Result<Self> {
+        let started = std::time::Instant::now();
         let ctx = CudaContext::new(0).context("could not open GPU 0")?;
+        let opened = started.elapsed().as_secs_f64();
         let gpu = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let sm_count = ctx
             .attribute(dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             .max(1) as u32;
-        let (module, target) = load_kernels(&ctx)?;
-        log::debug!("CUDA kernels built for {target} on {gpu}");
         let suffix = match tables.precision {
             Precision::F32 => "f32",
             Precision::F64 => "f64",
-        };
-        let kernels = Kernels {
-            frame_pcm16: module.load_function(&format!("frame_pcm16_{suffix}"))?,
-            frame_f32: module.load_function(&format!("frame_f32_{suffix}"))?,
-            power_mel_db: module.load_function(&format!("power_mel_db_{suffix}"))?,
-            finalize_rows: module.load_function("finalize_rows")?,
         };
         // Three streams: uploads, kernels and downloads of different chunks overlap. cudarc
         // orders work on device buffers across streams with events it records per buffer.
@@ -239,6 +253,23 @@ impl CudaFeaturiser {
             )
         })?;
         compute.synchronize()?;
+        let allocated = started.elapsed().as_secs_f64();
+
+        let (first, compile_s) = compiling
+            .join()
+            .map_err(|p| anyhow!("NVRTC panicked: {}", panic_message(&*p)))?;
+        let (module, target) = load_kernels(&ctx, targets, first)?;
+        let kernels = Kernels {
+            frame_pcm16: module.load_function(&format!("frame_pcm16_{suffix}"))?,
+            frame_f32: module.load_function(&format!("frame_f32_{suffix}"))?,
+            power_mel_db: module.load_function(&format!("power_mel_db_{suffix}"))?,
+            finalize_rows: module.load_function("finalize_rows")?,
+        };
+        log::info!(
+            "CUDA start-up on {gpu}: context {opened:.3} s, buffers and FFT plan {:.3} s, kernels for {target} compiled in {compile_s:.3} s beside them and loaded by {:.3} s",
+            allocated - opened,
+            started.elapsed().as_secs_f64()
+        );
 
         Ok(CudaFeaturiser {
             shape: settings.shape(),
@@ -432,4 +463,20 @@ impl Drop for CudaFeaturiser {
             }
         }
     }
+}
+
+/// Compute capability of GPU `ordinal`, asked of the driver without a context (the kernels
+/// compile for it while the context opens).
+fn compute_capability(ordinal: i32) -> anyhow::Result<(i32, i32)> {
+    use cudarc::driver::result::device;
+    let dev = device::get(ordinal).context("asking the driver for GPU 0")?;
+    let attr = |a| {
+        // SAFETY: `dev` came from cuDeviceGet.
+        unsafe { device::get_attribute(dev, a) }
+            .context("asking the driver for GPU 0's compute capability")
+    };
+    Ok((
+        attr(dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attr(dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
 }
