@@ -126,19 +126,7 @@ pub fn merge(names: &HdfNames, inputs: &[PathBuf], into: &Path, npy: bool) -> Re
         .with_context(|| format!("{}: cannot resolve", into.display()))?;
     let _lock = crate::lock::WriterLock::acquire(&out, "merge")?;
 
-    // Read every input's files (attributes, committed rows, blake3, valid, labels, paths) and
-    // check that they fit together, before anything is written.
-    let mut sources: Vec<[Source; 3]> = Vec::new();
-    for dir in &dirs {
-        let files: Vec<Source> = (0..3)
-            .map(|split| read_source(&dir.join(names.for_split(split))))
-            .collect::<Result<_>>()?;
-        sources.push(files.try_into().map_err(|_| ()).expect("three splits"));
-    }
-    let first = &sources[0][0];
-    for src in sources.iter().flatten() {
-        check_compatible(first, src)?;
-    }
+    let sources = read_inputs(names, &dirs)?;
     let grouping = ownership::group(&shard_records(&dirs, &sources)?).map_err(refuse)?;
     let (labels, ids) = merged_labels(&sources)?;
     let remapped = |i: usize| {
@@ -172,6 +160,13 @@ pub fn merge(names: &HdfNames, inputs: &[PathBuf], into: &Path, npy: bool) -> Re
         })).collect::<Vec<_>>(),
         "npy_copies": npy,
     });
+    let keeper = if grouping.one_tree {
+        "the smallest path keeps it"
+    } else if grouping.by_path.iter().any(|&b| b) {
+        "the smallest path within a tree's shards, else the first input keeps it"
+    } else {
+        "the first input keeps it"
+    };
     let mut report = MergeReport {
         into: out.clone(),
         inputs: dirs
@@ -196,42 +191,22 @@ pub fn merge(names: &HdfNames, inputs: &[PathBuf], into: &Path, npy: bool) -> Re
             .map(conflict_line)
             .collect(),
         label_conflict_list: settled.conflicts,
-        keeper: if grouping.one_tree {
-            "the smallest path keeps it"
-        } else if grouping.by_path.iter().any(|&b| b) {
-            "the smallest path within a tree's shards, else the first input keeps it"
-        } else {
-            "the first input keeps it"
-        },
+        keeper,
         hdf5_bytes: 0,
         npy_copy_bytes: None,
     };
 
-    for split in 0..3 {
-        let path = out.join(names.for_split(split));
-        let files: Vec<&Source> = sources.iter().map(|f| &f[split]).collect();
-        let real_labels = (0..sources.len()).any(remapped).then(|| {
-            ids.iter()
-                .flat_map(|per_split| per_split[split].iter().copied())
-                .collect::<Vec<i16>>()
-        });
-        write_merged(
-            &path,
-            &out,
-            &files,
-            &settled.valid[split],
-            real_labels.as_deref(),
-            &labels,
-            &created,
-        )?;
-        report.hdf5_bytes += std::fs::metadata(&path)?.len();
-        report.splits.push(SplitReport {
-            split: SPLITS[split],
-            file: path,
-            rows: settled.valid[split].len() as u64,
-            valid: settled.valid[split].iter().map(|&v| v as u64).sum(),
-        });
-    }
+    let real_labels = (0..sources.len()).any(remapped);
+    (report.splits, report.hdf5_bytes) = write_splits(
+        names,
+        &out,
+        &sources,
+        &ids,
+        &settled.valid,
+        real_labels,
+        &labels,
+        &created,
+    )?;
     write_atomically(&out.join(MARKER), &serde_json::to_vec_pretty(&marker)?)?;
 
     if npy {
@@ -242,6 +217,67 @@ pub fn merge(names: &HdfNames, inputs: &[PathBuf], into: &Path, npy: bool) -> Re
             .with_context(|| format!("{}: removing old npy copies", out.display()))?;
     }
     Ok(report)
+}
+
+/// Write the three merged split files (`valid`: the settled column of each; `real_labels`:
+/// whether `labels` must be a real dataset of the remapped `ids`). Returns what was written
+/// and its bytes.
+#[allow(clippy::too_many_arguments)]
+fn write_splits(
+    names: &HdfNames,
+    out: &Path,
+    sources: &[[Source; 3]],
+    ids: &[[Vec<i16>; 3]],
+    valid: &[Vec<u8>; 3],
+    real_labels: bool,
+    labels: &[String],
+    created: &str,
+) -> Result<(Vec<SplitReport>, u64)> {
+    let mut splits = Vec::new();
+    let mut bytes = 0;
+    for split in 0..3 {
+        let path = out.join(names.for_split(split));
+        let files: Vec<&Source> = sources.iter().map(|f| &f[split]).collect();
+        let merged_ids = real_labels.then(|| {
+            ids.iter()
+                .flat_map(|per_split| per_split[split].iter().copied())
+                .collect::<Vec<i16>>()
+        });
+        write_merged(
+            &path,
+            out,
+            &files,
+            &valid[split],
+            merged_ids.as_deref(),
+            labels,
+            created,
+        )?;
+        bytes += std::fs::metadata(&path)?.len();
+        splits.push(SplitReport {
+            split: SPLITS[split],
+            file: path,
+            rows: valid[split].len() as u64,
+            valid: valid[split].iter().map(|&v| v as u64).sum(),
+        });
+    }
+    Ok((splits, bytes))
+}
+
+/// Every input's files (attributes, committed rows, blake3, valid, labels, paths), checked to
+/// fit together, before anything is written.
+fn read_inputs(names: &HdfNames, dirs: &[PathBuf]) -> Result<Vec<[Source; 3]>> {
+    let mut sources: Vec<[Source; 3]> = Vec::new();
+    for dir in dirs {
+        let files: Vec<Source> = (0..3)
+            .map(|split| read_source(&dir.join(names.for_split(split))))
+            .collect::<Result<_>>()?;
+        sources.push(files.try_into().map_err(|_| ()).expect("three splits"));
+    }
+    let first = &sources[0][0];
+    for src in sources.iter().flatten() {
+        check_compatible(first, src)?;
+    }
+    Ok(sources)
 }
 
 /// The input folders, canonical; each given once.

@@ -14,7 +14,7 @@ use crate::source::{self, Found};
 use crate::staging;
 use std::time::{Duration, Instant};
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct RebuildReport {
     pub files: usize,
     pub rows: [u64; 3],
@@ -157,18 +157,7 @@ pub fn rebuild_shard(
     staging::finish_pending(settings)?;
     staging::prepare(settings)?;
     let (mut found, appended_before, featuriser, stores) = start_up(settings, device)?;
-    let mut labels = LabelSet::new(
-        &settings.labels.names,
-        &appended_before,
-        settings.labels.unknown,
-    );
-    // Folders appended under `labels.unknown = "append"` get ids in path order (over the whole
-    // tree, so that every shard numbers them alike).
-    for f in &found {
-        if let Some(folder) = crate::identity::label_folder(settings, f.rel()) {
-            let _ = labels.resolve(folder);
-        }
-    }
+    let labels = label_ids(settings, &found, &appended_before);
     let record = shard.map(|s| {
         let record = ShardRecord::new(
             s,
@@ -190,19 +179,13 @@ pub fn rebuild_shard(
     let mut engine = Engine::open_bulk(settings, featuriser, stores, labels)?;
     let mut report = RebuildReport {
         files: found.len(),
-        rows: [0; 3],
-        duplicates: 0,
-        quarantined: Vec::new(),
         device: engine.device().to_string(),
-        elapsed: Duration::ZERO,
-        stages: Vec::new(),
-        phases: Vec::new(),
         labels: engine.labels().to_vec(),
-        rows_per_label: Vec::new(),
         shard: shard.map(|s| s.to_string()),
         other_shards: record
             .as_ref()
             .map_or(0, |r| r.listed as usize - found.len()),
+        ..RebuildReport::default()
     };
     let ingest_start = Instant::now();
     ingest(&mut engine, &found, batch, ui, &mut report)?;
@@ -251,6 +234,23 @@ pub fn rebuild_shard(
         ]);
     }
     Ok(report)
+}
+
+/// The label ids: the configured names, those the old manifest appended, then folders appended
+/// under `labels.unknown = "append"` in path order (over the whole tree, so that every shard
+/// numbers them alike).
+fn label_ids(settings: &Settings, found: &[Found], appended_before: &[String]) -> LabelSet {
+    let mut labels = LabelSet::new(
+        &settings.labels.names,
+        appended_before,
+        settings.labels.unknown,
+    );
+    for f in found {
+        if let Some(folder) = crate::identity::label_folder(settings, f.rel()) {
+            let _ = labels.resolve(folder);
+        }
+    }
+    labels
 }
 
 /// Feed the engine `found` in path order, `batch` files at a time, and wait until every batch
