@@ -501,6 +501,46 @@ fn incompatible_inputs_and_bad_targets_are_refused() {
     assert!(out.contains("shard 1/2"), "{out}");
 }
 
+/// What a shard reads is its own files (and a few KB of its own: configuration, manifest),
+/// from `/proc/<pid>/io` (rchar: every read(2), from the page cache or not): the shell that
+/// runs it reaps it and so holds its counts.
+#[test]
+fn a_shard_reads_only_its_own_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rec = tmp.path().join("rec");
+    let files = ailhd::synth::write_tree(&rec, &LABELS, 8, 21).unwrap();
+    let n = 4;
+    let cfg = config(&tmp.path().join("s1"), &rec, "");
+    let rel = |f: &PathBuf| f.strip_prefix(&rec).unwrap().to_str().unwrap().to_string();
+    let size = |f: &PathBuf| std::fs::metadata(f).unwrap().len();
+    let tree: u64 = files.iter().map(size).sum();
+    let own: u64 = files
+        .iter()
+        .filter(|f| ailhd::shard::Shard::new(1, n).unwrap().contains(&rel(f)))
+        .map(size)
+        .sum();
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(r#""$@" >/dev/null && awk '/^rchar/ {print $2}' /proc/$$/io"#)
+        .arg("sh")
+        .arg(bin())
+        .arg("--config")
+        .arg(&cfg)
+        .args(["rebuild", "--device", "cpu", "--shard", "1/4"])
+        .env_remove("AILHD_CONFIG")
+        .output()
+        .unwrap();
+    let read: u64 = ok(&o).trim().parse().unwrap();
+    assert!(
+        own > 0 && own < tree / 2,
+        "shard 1/4 holds {own} of {tree} bytes"
+    );
+    assert!(
+        read >= own && read - own < 256 * 1024,
+        "shard 1/4 read {read} bytes; its own files hold {own}, the tree {tree}"
+    );
+}
+
 #[test]
 fn incomplete_or_mixed_sets_of_shards_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
