@@ -22,7 +22,6 @@ use ailhd::config::{DeviceChoice, FeatureShape, Settings};
 use ailhd::decode::Waveform;
 use ailhd::features::Featuriser;
 use ailhd::rebuild::{rebuild, rebuild_with, RebuildReport, Ui};
-use ailhd::shard::Shard;
 use half::f16;
 use std::time::Instant;
 
@@ -266,7 +265,7 @@ fn ceiling(s: &Settings, ui: &Ui) {
         })
         .unwrap_or_else(|| "unknown CPU".into());
     println!("machine: {cpu}, {threads} cores this process may use");
-    let through = |s: &Settings| rebuild_with(s, ui, Shard::ALL, |_| pass_through(s)).unwrap();
+    let through = |s: &Settings| rebuild_with(s, ui, None, |_| pass_through(s)).unwrap();
     let warm = through(s);
     println!(
         "warm-up (pass-through): {:.0} files/s",

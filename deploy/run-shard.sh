@@ -3,14 +3,17 @@
 # (README, "Beyond one machine"). Paths and counts are the only parameters.
 #
 #   run-shard.sh shard RECORDINGS WORK [SHARDS]
-#       Rebuild the shard this task owns from RECORDINGS into WORK/shard-I/{out,state}, then
-#       mark it done (WORK/shard-I/DONE). The index I comes from the scheduler:
-#       SLURM_ARRAY_TASK_ID (minus SLURM_ARRAY_TASK_MIN) or JOB_COMPLETION_INDEX; the count
-#       from SHARDS, else SLURM_ARRAY_TASK_COUNT.
+#       Rebuild the shard this task owns (the recordings whose paths fall in it; it reads no
+#       other file) from RECORDINGS into WORK/shard-I/{out,state}, then mark it done
+#       (WORK/shard-I/DONE). The index I comes from the scheduler: SLURM_ARRAY_TASK_ID (minus
+#       SLURM_ARRAY_TASK_MIN) or JOB_COMPLETION_INDEX; the count from SHARDS, else
+#       SLURM_ARRAY_TASK_COUNT. Every task must see RECORDINGS under the same path: it names
+#       the tree, and merge settles the shards of one tree together.
 #   run-shard.sh merge WORK SHARDS
 #       Wait until the SHARDS shards are done (at most $AILHD_MERGE_WAIT_S seconds, default 0:
 #       no waiting, for schedulers that order the steps themselves), then merge them into
-#       WORK/merged (HDF5 virtual datasets over WORK/shard-*/out: move WORK as a whole).
+#       WORK/merged (HDF5 virtual datasets over WORK/shard-*/out: move WORK as a whole), as one
+#       rebuild of the tree (merge refuses an incomplete or mixed set of shards).
 #
 # Environment: AILHD (the binary, default `ailhd` on PATH); AILHD_CONFIG (feature, label and
 # split settings: the same file for every shard); AILHD_MERGE_ARGS (extra merge flags, e.g.
@@ -20,7 +23,7 @@ set -euo pipefail
 ailhd=${AILHD:-ailhd}
 
 usage() {
-    sed -n '4,13p' "$0" >&2
+    sed -n '4,16p' "$0" >&2
     exit 2
 }
 

@@ -24,6 +24,9 @@
 //!   (the service: micro-batches, idle close, riding out write failures), [`status`], [`inspect`], [`demo`] with [`synth`], [`doctor`].
 //!
 //!   [`plot`] draws the pictures of `inspect` and `status`.
+//! - beyond one machine: [`shard`] (which recordings `rebuild --shard I/N` reads, by path) and
+//!   [`merge`] (one set of outputs over several, as virtual datasets), whose
+//!   [`ownership`] settles shared bytes across shards and refuses incomplete or mixed sets.
 //!
 //! Around them: [`config`], [`lock`] (one writer), [`migrate`] (schema versions), [`logging`].
 pub mod config;
@@ -42,6 +45,7 @@ pub mod merge;
 pub mod metrics;
 pub mod migrate;
 pub mod output;
+pub mod ownership;
 pub mod plot;
 pub mod rebuild;
 pub mod reload;

@@ -45,14 +45,15 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
-        /// Only the recordings of shard I of N (by content hash, I from 0), for a scheduler's
-        /// array job; `auto` or `auto/N` take I (and N) from SLURM_ARRAY_TASK_ID/_COUNT or
+        /// Only the recordings of shard I of N (by a hash of the path, I from 0; each shard reads
+        /// only its own files), for a scheduler's array job; `auto` or `auto/N` take I (and N) from SLURM_ARRAY_TASK_ID/_COUNT or
         /// JOB_COMPLETION_INDEX.
         #[arg(long, value_name = "I/N|auto|auto/N")]
         shard: Option<String>,
     },
     /// One set of outputs over several (shards, or several hosts) without copying features:
-    /// HDF5 virtual datasets; one valid row per content (the first input keeps it).
+    /// HDF5 virtual datasets; one valid row per content (over the shards of one tree, the
+    /// smallest path's, as one rebuild; between other outputs, the first input keeps it).
     Merge {
         /// Output folders to merge (each holding the three split files), in priority order.
         #[arg(required = true, value_name = "DIR")]
@@ -178,9 +179,11 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 progress: ui.progress && !json,
             };
             let shard = match shard {
-                Some(v) => ailhd::shard::Shard::parse(v, &|k| std::env::var(k).ok())
-                    .map_err(|e| UsageError(e.to_string()))?,
-                None => ailhd::shard::Shard::ALL,
+                Some(v) => Some(
+                    ailhd::shard::Shard::parse(v, &|k| std::env::var(k).ok())
+                        .map_err(|e| UsageError(e.to_string()))?,
+                ),
+                None => None,
             };
             let report = ailhd::rebuild::rebuild_shard(&s, dev, &ui, shard)?;
             if *json {

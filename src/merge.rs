@@ -27,6 +27,8 @@ use crate::output::npy::NpySink;
 use crate::output::read::{read_rows, Id};
 use crate::output::{label2id_json, labels_json, OutputHeader, RowMeta, SplitSink};
 use crate::output::{ID_BYTES, OUTPUT_SCHEMA_VERSION};
+use crate::ownership;
+use crate::shard::ShardRecord;
 use anyhow::{bail, Context, Result};
 use hdf5::dataset::Layout;
 use hdf5::file::{FileAccess, LibraryVersion, OpenMode};
@@ -36,7 +38,6 @@ use hdf5::{Dataset, File, Hyperslab, Selection, SliceOrIndex};
 use hdf5_sys::h5d::H5Dget_type;
 use hdf5_sys::h5p::H5P_DEFAULT;
 use hdf5_sys::h5t::H5Tclose;
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::path::{Component, Path, PathBuf};
 
@@ -58,11 +59,20 @@ pub struct MergeReport {
     pub inputs: Vec<InputReport>,
     pub splits: Vec<SplitReport>,
     pub labels: Vec<String>,
-    /// Valid rows of a content that an earlier input already holds (set to `valid` = 0).
+    /// Which rule settled shared bytes (see [`crate::ownership`]), in words.
+    pub rule: String,
+    /// What the merge noticed and went on with.
+    pub warnings: Vec<String>,
+    /// Valid rows of the inputs set to `valid` = 0 because another row keeps their bytes.
     pub duplicates: u64,
-    /// Of those, the ones whose label differs from the kept row's (examples below).
+    /// Contents whose paths have different labels (the first 10 in words, then all, as
+    /// `status` lists them).
     pub label_conflicts: u64,
     pub label_conflict_examples: Vec<String>,
+    pub label_conflict_list: Vec<crate::status::LabelConflict>,
+    /// Which row keeps shared bytes, in a few words (the summary's).
+    #[serde(skip)]
+    pub keeper: &'static str,
     /// Bytes of the merged HDF5 files (the features stay in the inputs).
     pub hdf5_bytes: u64,
     /// Bytes of the `--npy` copies, when asked for.
@@ -99,11 +109,179 @@ struct Source {
     blake3: Vec<[u8; 32]>,
     valid: Vec<u8>,
     label_ids: Vec<i16>,
+    /// `source_path` of every row, `path_bytes` each.
+    paths: Vec<u8>,
+    path_bytes: usize,
+    /// What the file says it is when it is a shard's ([`crate::shard::ATTRIBUTE`]).
+    shard: Option<ShardRecord>,
 }
 
 /// Merge the outputs in `inputs` (folders holding the three split files named `names`) into
 /// `into`. With `npy`, also write `npy/<split>/` copies.
 pub fn merge(names: &HdfNames, inputs: &[PathBuf], into: &Path, npy: bool) -> Result<MergeReport> {
+    let dirs = input_dirs(inputs)?;
+    prepare_into(into, &dirs)?;
+    let out = into
+        .canonicalize()
+        .with_context(|| format!("{}: cannot resolve", into.display()))?;
+    let _lock = crate::lock::WriterLock::acquire(&out, "merge")?;
+
+    let sources = read_inputs(names, &dirs)?;
+    let grouping = ownership::group(&shard_records(&dirs, &sources)?).map_err(refuse)?;
+    let (labels, ids) = merged_labels(&sources)?;
+    let remapped = |i: usize| {
+        (0..3).any(|split| {
+            sources[i][split]
+                .labels
+                .iter()
+                .enumerate()
+                .any(|(k, name)| labels.get(k) != Some(name))
+        })
+    };
+    let settled = {
+        let rows: Vec<[ownership::FileRows; 3]> = sources
+            .iter()
+            .zip(&ids)
+            .map(|(files, ids)| [0, 1, 2].map(|split| file_rows(&files[split], &ids[split])))
+            .collect();
+        ownership::settle(&rows, &grouping, &labels)
+    };
+    let created = created_at();
+    let marker = serde_json::json!({
+        "what": "ailhd merge: virtual datasets over the inputs' files; features are not copied",
+        "rule": grouping.rule,
+        "created_at_utc": created,
+        "ailhd_version": env!("CARGO_PKG_VERSION"),
+        "inputs": dirs.iter().enumerate().map(|(i, d)| serde_json::json!({
+            "dir": relative_path(&out, d),
+            "rows": ([0, 1, 2].map(|s| sources[i][s].committed)),
+            "labels_remapped": remapped(i),
+            "shard": sources[i][0].shard.as_ref().map(|r| r.shard().to_string()),
+        })).collect::<Vec<_>>(),
+        "npy_copies": npy,
+    });
+    let keeper = if grouping.one_tree {
+        "the smallest path keeps it"
+    } else if grouping.by_path.iter().any(|&b| b) {
+        "the smallest path within a tree's shards, else the first input keeps it"
+    } else {
+        "the first input keeps it"
+    };
+    let mut report = MergeReport {
+        into: out.clone(),
+        inputs: dirs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| InputReport {
+                dir: d.clone(),
+                rows: [0, 1, 2].map(|s| sources[i][s].committed),
+                labels_remapped: remapped(i),
+            })
+            .collect(),
+        splits: Vec::new(),
+        labels: labels.clone(),
+        rule: grouping.rule.clone(),
+        warnings: grouping.warnings.clone(),
+        duplicates: settled.duplicates,
+        label_conflicts: settled.conflicts.len() as u64,
+        label_conflict_examples: settled
+            .conflicts
+            .iter()
+            .take(10)
+            .map(conflict_line)
+            .collect(),
+        label_conflict_list: settled.conflicts,
+        keeper,
+        hdf5_bytes: 0,
+        npy_copy_bytes: None,
+    };
+
+    let real_labels = (0..sources.len()).any(remapped);
+    (report.splits, report.hdf5_bytes) = write_splits(
+        names,
+        &out,
+        &sources,
+        &ids,
+        &settled.valid,
+        real_labels,
+        &labels,
+        &created,
+    )?;
+    write_atomically(&out.join(MARKER), &serde_json::to_vec_pretty(&marker)?)?;
+
+    if npy {
+        report.npy_copy_bytes = Some(copy_npy(names, &out, &labels, &sources[0][0])?);
+    } else if out.join("npy").exists() {
+        // A previous merge's copies would no longer match.
+        std::fs::remove_dir_all(out.join("npy"))
+            .with_context(|| format!("{}: removing old npy copies", out.display()))?;
+    }
+    Ok(report)
+}
+
+/// Write the three merged split files (`valid`: the settled column of each; `real_labels`:
+/// whether `labels` must be a real dataset of the remapped `ids`). Returns what was written
+/// and its bytes.
+#[allow(clippy::too_many_arguments)]
+fn write_splits(
+    names: &HdfNames,
+    out: &Path,
+    sources: &[[Source; 3]],
+    ids: &[[Vec<i16>; 3]],
+    valid: &[Vec<u8>; 3],
+    real_labels: bool,
+    labels: &[String],
+    created: &str,
+) -> Result<(Vec<SplitReport>, u64)> {
+    let mut splits = Vec::new();
+    let mut bytes = 0;
+    for split in 0..3 {
+        let path = out.join(names.for_split(split));
+        let files: Vec<&Source> = sources.iter().map(|f| &f[split]).collect();
+        let merged_ids = real_labels.then(|| {
+            ids.iter()
+                .flat_map(|per_split| per_split[split].iter().copied())
+                .collect::<Vec<i16>>()
+        });
+        write_merged(
+            &path,
+            out,
+            &files,
+            &valid[split],
+            merged_ids.as_deref(),
+            labels,
+            created,
+        )?;
+        bytes += std::fs::metadata(&path)?.len();
+        splits.push(SplitReport {
+            split: SPLITS[split],
+            file: path,
+            rows: valid[split].len() as u64,
+            valid: valid[split].iter().map(|&v| v as u64).sum(),
+        });
+    }
+    Ok((splits, bytes))
+}
+
+/// Every input's files (attributes, committed rows, blake3, valid, labels, paths), checked to
+/// fit together, before anything is written.
+fn read_inputs(names: &HdfNames, dirs: &[PathBuf]) -> Result<Vec<[Source; 3]>> {
+    let mut sources: Vec<[Source; 3]> = Vec::new();
+    for dir in dirs {
+        let files: Vec<Source> = (0..3)
+            .map(|split| read_source(&dir.join(names.for_split(split))))
+            .collect::<Result<_>>()?;
+        sources.push(files.try_into().map_err(|_| ()).expect("three splits"));
+    }
+    let first = &sources[0][0];
+    for src in sources.iter().flatten() {
+        check_compatible(first, src)?;
+    }
+    Ok(sources)
+}
+
+/// The input folders, canonical; each given once.
+fn input_dirs(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
     if inputs.is_empty() {
         return Err(refuse("merge: no input folders given"));
     }
@@ -124,28 +302,39 @@ pub fn merge(names: &HdfNames, inputs: &[PathBuf], into: &Path, npy: bool) -> Re
         }
         dirs.push(canon);
     }
-    prepare_into(into, &dirs)?;
-    let out = into
-        .canonicalize()
-        .with_context(|| format!("{}: cannot resolve", into.display()))?;
-    let _lock = crate::lock::WriterLock::acquire(&out, "merge")?;
+    Ok(dirs)
+}
 
-    // Read every input's files (attributes, committed rows, blake3, valid, labels) and check
-    // that they fit together, before anything is written.
-    let mut sources: Vec<[Source; 3]> = Vec::new();
-    for dir in &dirs {
-        let files: Vec<Source> = (0..3)
-            .map(|split| read_source(&dir.join(names.for_split(split))))
-            .collect::<Result<_>>()?;
-        sources.push(files.try_into().map_err(|_| ()).expect("three splits"));
-    }
-    let first = &sources[0][0];
-    for src in sources.iter().flatten() {
-        check_compatible(first, src)?;
-    }
+/// Each input's shard record (None: not a shard); its three files must name the same shard.
+fn shard_records(
+    dirs: &[PathBuf],
+    sources: &[[Source; 3]],
+) -> Result<Vec<(PathBuf, Option<ShardRecord>)>> {
+    let same = |a: &Option<ShardRecord>, b: &Option<ShardRecord>| match (a, b) {
+        (Some(a), Some(b)) => (a.shard(), &a.tree) == (b.shard(), &b.tree),
+        (a, b) => a.is_none() && b.is_none(),
+    };
+    dirs.iter()
+        .zip(sources)
+        .map(|(dir, files)| {
+            if let Some(f) = files[1..].iter().find(|f| !same(&f.shard, &files[0].shard)) {
+                return Err(refuse(format!(
+                    "{} and {} are not of the same shard (one folder must hold one rebuild's \
+                     files)",
+                    files[0].path.display(),
+                    f.path.display()
+                )));
+            }
+            Ok((dir.clone(), files[0].shard.clone()))
+        })
+        .collect()
+}
 
-    // The merged label list and each file's id map.
-    let mut labels: Vec<String> = first.labels.clone();
+/// The merged label list (the first input's, then names first seen in later inputs, in
+/// order), and every file's label ids in it.
+#[allow(clippy::type_complexity)]
+fn merged_labels(sources: &[[Source; 3]]) -> Result<(Vec<String>, Vec<[Vec<i16>; 3]>)> {
+    let mut labels: Vec<String> = sources[0][0].labels.clone();
     for src in sources.iter().flatten() {
         for name in &src.labels {
             if !labels.contains(name) {
@@ -153,153 +342,65 @@ pub fn merge(names: &HdfNames, inputs: &[PathBuf], into: &Path, npy: bool) -> Re
             }
         }
     }
-    let maps: Vec<[Vec<i16>; 3]> = sources
+    if labels.len() > i16::MAX as usize {
+        return Err(refuse("merge: more than 32767 label names over the inputs"));
+    }
+    let ids = sources
         .iter()
         .map(|files| {
             files.each_ref().map(|src| {
-                src.labels
+                let map: Vec<i16> = src
+                    .labels
                     .iter()
                     .map(|n| labels.iter().position(|m| m == n).expect("merged") as i16)
+                    .collect();
+                src.label_ids
+                    .iter()
+                    .map(|&id| {
+                        usize::try_from(id)
+                            .ok()
+                            .and_then(|k| map.get(k).copied())
+                            .unwrap_or(id)
+                    })
                     .collect()
             })
         })
         .collect();
-    let remapped = |i: usize, split: usize| {
-        maps[i][split]
-            .iter()
-            .enumerate()
-            .any(|(a, &b)| a as i16 != b)
-    };
-    if labels.len() > i16::MAX as usize {
-        return Err(refuse("merge: more than 32767 label names over the inputs"));
+    Ok((labels, ids))
+}
+
+/// One file's columns as the ownership rule reads them (`ids`: its labels, merged numbering).
+fn file_rows<'a>(src: &'a Source, ids: &'a [i16]) -> ownership::FileRows<'a> {
+    ownership::FileRows {
+        blake3: &src.blake3,
+        valid: &src.valid,
+        labels: ids,
+        paths: &src.paths,
+        path_bytes: src.path_bytes,
+        shared: src.shard.as_ref().map_or(&[][..], |r| &r.shared[..]),
     }
+}
 
-    // One valid row per content: the first input (argument order) holding it as a valid row.
-    let mut kept: HashMap<[u8; 32], (usize, usize, u64, i16)> = HashMap::new();
-    let mut valid: [Vec<u8>; 3] = Default::default();
-    let mut merged_labels: [Vec<i16>; 3] = Default::default();
-    let mut duplicates = 0;
-    let mut conflicts = Vec::new();
-    for (i, files) in sources.iter().enumerate() {
-        for (split, src) in files.iter().enumerate() {
-            for row in 0..src.committed as usize {
-                let id = src.label_ids[row];
-                let label = usize::try_from(id)
-                    .ok()
-                    .and_then(|k| maps[i][split].get(k).copied())
-                    .unwrap_or(id);
-                merged_labels[split].push(label);
-                let mut v = src.valid[row];
-                if v != 0 {
-                    v = 1;
-                    match kept.get(&src.blake3[row]) {
-                        None => {
-                            kept.insert(src.blake3[row], (i, split, row as u64, label));
-                        }
-                        Some(&(ki, ks, krow, klabel)) => {
-                            v = 0;
-                            duplicates += 1;
-                            if klabel != label {
-                                conflicts
-                                    .push(((ki, ks, krow, klabel), (i, split, row as u64, label)));
-                            }
-                        }
-                    }
-                }
-                valid[split].push(v);
-            }
-        }
-    }
-    let label_conflict_examples = conflicts
-        .iter()
-        .take(10)
-        .map(|(a, b)| {
-            let describe = |&(i, split, row, label): &(usize, usize, u64, i16)| {
-                let path = read_source_path(&sources[i][split].path, row)
-                    .unwrap_or_else(|e| format!("<{e:#}>"));
-                format!(
-                    "{} row {row} ({path}, label {})",
-                    sources[i][split].path.display(),
-                    labels.get(label as usize).map_or("?", |s| s.as_str())
-                )
-            };
-            format!("kept {}; dropped {}", describe(a), describe(b))
-        })
-        .collect();
+/// A label conflict in `status`'s words.
+fn conflict_line(c: &crate::status::LabelConflict) -> String {
+    let paths: Vec<String> = c.paths.iter().map(|(p, l)| format!("{p} ({l})")).collect();
+    format!(
+        "same bytes under {} (the first owns the row)",
+        paths.join(", ")
+    )
+}
 
-    let mut report = MergeReport {
-        into: out.clone(),
-        inputs: dirs
-            .iter()
-            .enumerate()
-            .map(|(i, d)| InputReport {
-                dir: d.clone(),
-                rows: [0, 1, 2].map(|s| sources[i][s].committed),
-                labels_remapped: (0..3).any(|s| remapped(i, s)),
-            })
-            .collect(),
-        splits: Vec::new(),
-        labels: labels.clone(),
-        duplicates,
-        label_conflicts: conflicts.len() as u64,
-        label_conflict_examples,
-        hdf5_bytes: 0,
-        npy_copy_bytes: None,
-    };
-
-    let created = crate::output::header_attributes(&OutputHeader {
-        labels: labels.clone(),
+/// The merged files' `created_at_utc`, as outputs write it.
+fn created_at() -> String {
+    crate::output::header_attributes(&OutputHeader {
+        labels: Vec::new(),
         features: FeatureSettings::default(),
         path_bytes: 0,
     })
     .into_iter()
     .find(|(k, _)| *k == "created_at_utc")
     .map(|(_, v)| v)
-    .unwrap_or_default();
-    let marker = serde_json::json!({
-        "what": "ailhd merge: virtual datasets over the inputs' files; features are not copied",
-        "rule": "one valid row per content: the first input (in this order) holding it as a valid row keeps it",
-        "created_at_utc": created,
-        "ailhd_version": env!("CARGO_PKG_VERSION"),
-        "inputs": dirs.iter().enumerate().map(|(i, d)| serde_json::json!({
-            "dir": relative_path(&out, d),
-            "rows": ([0, 1, 2].map(|s| sources[i][s].committed)),
-            "labels_remapped": (0..3).any(|s| remapped(i, s)),
-        })).collect::<Vec<_>>(),
-        "npy_copies": npy,
-    });
-
-    for split in 0..3 {
-        let path = out.join(names.for_split(split));
-        let files: Vec<&Source> = sources.iter().map(|f| &f[split]).collect();
-        let real_labels = (0..sources.len()).any(|i| remapped(i, split));
-        write_merged(
-            &path,
-            &out,
-            &files,
-            &valid[split],
-            real_labels.then_some(&merged_labels[split][..]),
-            &labels,
-            &created,
-        )?;
-        report.hdf5_bytes += std::fs::metadata(&path)?.len();
-        report.splits.push(SplitReport {
-            split: SPLITS[split],
-            file: path,
-            rows: valid[split].len() as u64,
-            valid: valid[split].iter().map(|&v| v as u64).sum(),
-        });
-    }
-    write_atomically(&out.join(MARKER), &serde_json::to_vec_pretty(&marker)?)?;
-
-    if npy {
-        report.npy_copy_bytes = Some(copy_npy(names, &out, &labels, &sources[0][0])?);
-    } else if out.join("npy").exists() {
-        // A previous merge's copies would no longer match.
-        std::fs::remove_dir_all(out.join("npy"))
-            .with_context(|| format!("{}: removing old npy copies", out.display()))?;
-    }
-    Ok(report)
+    .unwrap_or_default()
 }
 
 /// Make sure `into` may receive a merge: absent, empty, or a previous merge (it has
@@ -444,6 +545,17 @@ fn read_source(path: &Path) -> Result<Source> {
         .chunks_exact(2)
         .map(|c| i16::from_le_bytes([c[0], c[1]]))
         .collect();
+    let paths = raw("source_path")?;
+    let path_bytes = paths.len().checked_div(committed as usize).unwrap_or(0);
+    let shard = match read_text_attr(&file, crate::shard::ATTRIBUTE) {
+        Err(_) => None,
+        Ok(json) => Some(serde_json::from_str::<ShardRecord>(&json).map_err(|e| {
+            bad(format!(
+                "attribute {} is not a shard record this ailhd reads ({e})",
+                crate::shard::ATTRIBUTE
+            ))
+        })?),
+    };
     Ok(Source {
         path,
         committed,
@@ -454,6 +566,9 @@ fn read_source(path: &Path) -> Result<Source> {
         blake3,
         valid,
         label_ids,
+        paths,
+        path_bytes,
+        shard,
     })
 }
 
@@ -809,14 +924,6 @@ fn copy_npy(names: &HdfNames, out: &Path, labels: &[String], first: &Source) -> 
     Ok(bytes)
 }
 
-/// `source_path` of one row of an input file (for messages).
-fn read_source_path(path: &Path, row: u64) -> Result<String> {
-    let file = open_input(path)?;
-    let bytes = read_rows(&file.dataset("source_path")?, row, 1)?;
-    let end = bytes.iter().position(|&c| c == 0).unwrap_or(bytes.len());
-    Ok(String::from_utf8_lossy(&bytes[..end]).into_owned())
-}
-
 /// Write the whole of `ds` from `bytes` (its own element type).
 fn write_all(ds: &Dataset, bytes: &[u8]) -> Result<()> {
     hdf5::sync::sync(|| unsafe {
@@ -882,10 +989,14 @@ pub fn summary(r: &MergeReport) -> String {
             x.file.display()
         );
     }
+    let _ = writeln!(s, "  rule: {}", r.rule);
+    for w in &r.warnings {
+        let _ = writeln!(s, "  warning: {w}");
+    }
     let _ = writeln!(
         s,
-        "  same content in several inputs: {} rows set valid = 0 (the first input keeps it)",
-        r.duplicates
+        "  same content in several inputs: {} rows set valid = 0 ({})",
+        r.duplicates, r.keeper
     );
     if r.label_conflicts > 0 {
         let _ = writeln!(
@@ -893,8 +1004,8 @@ pub fn summary(r: &MergeReport) -> String {
             "  label conflicts (same content, other label): {}",
             r.label_conflicts
         );
-        for e in &r.label_conflict_examples {
-            let _ = writeln!(s, "    {e}");
+        for c in &r.label_conflict_list {
+            let _ = writeln!(s, "    {}", conflict_line(c));
         }
     }
     match r.npy_copy_bytes {

@@ -9,12 +9,12 @@ use crate::engine::{Engine, Input};
 use crate::features;
 use crate::identity::LabelSet;
 use crate::lock::WriterLocks;
-use crate::shard::Shard;
+use crate::shard::{Shard, ShardRecord, SharedContent};
 use crate::source::{self, Found};
 use crate::staging;
 use std::time::{Duration, Instant};
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct RebuildReport {
     pub files: usize,
     pub rows: [u64; 3],
@@ -79,43 +79,27 @@ pub fn rebuild(
     device: DeviceChoice,
     ui: &Ui,
 ) -> anyhow::Result<RebuildReport> {
-    rebuild_shard(settings, device, ui, Shard::ALL)
+    rebuild_shard(settings, device, ui, None)
 }
 
-/// `rebuild --shard I/N`: only the recordings that shard I of N owns (by content hash, see
-/// [`crate::shard`]), as an ordinary set of outputs. Files of other shards are hashed and
-/// skipped before decoding; files without a hash (unreadable, rejected paths) go to shard 0.
-pub fn rebuild_shard(
-    settings: &Settings,
-    device: DeviceChoice,
-    ui: &Ui,
-    shard: Shard,
-) -> anyhow::Result<RebuildReport> {
-    rebuild_with(settings, ui, shard, |threads| {
-        features::build(&settings.features, &settings.gpu, device, threads)
-    })
-}
+/// What start-up gives: the tree's listing, the labels the old manifest appended, the
+/// featuriser and the empty staging stores.
+type Started = (
+    Vec<Found>,
+    Vec<String>,
+    Box<dyn features::Featuriser>,
+    crate::engine::BulkStores,
+);
 
-/// [`rebuild_shard`] with the featuriser `make_featuriser(worker threads)` returns, built while
-/// the tree is scanned. For benchmarks that put another featuriser in the real pipeline
-/// (`cargo bench --bench rebuild -- --ceiling`); users choose with `--device`.
-pub fn rebuild_with(
+/// Start-up work runs side by side: opening the old manifest (for the labels it appended,
+/// which keep their ids across rebuilds; tens of ms while sled recovers its log), building the
+/// featuriser (a GPU's takes a good part of a second: context, NVRTC, plans, self-check),
+/// making the empty staging outputs and manifest (with the configured labels; appended ones
+/// are added later), and listing the tree.
+fn start_up(
     settings: &Settings,
-    ui: &Ui,
-    shard: Shard,
     make_featuriser: impl FnOnce(usize) -> anyhow::Result<Box<dyn features::Featuriser>> + Send,
-) -> anyhow::Result<RebuildReport> {
-    let started = Instant::now();
-    let _lock = WriterLocks::acquire(settings, "rebuild")?;
-    crate::engine::manifest::set_cache_mb(settings.ingest.manifest_cache_mb);
-    staging::finish_pending(settings)?;
-    staging::prepare(settings)?;
-
-    // Start-up work runs side by side: opening the old manifest (for the labels it appended,
-    // which keep their ids across rebuilds; tens of ms while sled recovers its log), building
-    // the featuriser (a GPU's takes a good part of a second: context, NVRTC, plans,
-    // self-check), making the empty staging outputs and manifest (with the configured labels;
-    // appended ones are added below), and scanning the tree.
+) -> anyhow::Result<Started> {
     let threads = settings.worker_threads();
     let (found, appended_before, featuriser, stores) = std::thread::scope(|scope| {
         let appended_before = scope.spawn(|| -> anyhow::Result<Vec<String>> {
@@ -147,94 +131,101 @@ pub fn rebuild_with(
             stores.join().expect("making the staging outputs panicked"),
         )
     });
-    let (found, appended_before, featuriser, stores) =
-        (found?, appended_before?, featuriser?, stores?);
-    let mut labels = LabelSet::new(
-        &settings.labels.names,
-        &appended_before,
-        settings.labels.unknown,
-    );
-    // Folders appended under `labels.unknown = "append"` get ids in path order.
-    for f in &found {
-        if let Some(folder) = crate::identity::label_folder(settings, f.rel()) {
-            let _ = labels.resolve(folder);
+    Ok((found?, appended_before?, featuriser?, stores?))
+}
+
+/// `rebuild --shard I/N` (`shard` given): only the recordings that shard I of N owns, decided
+/// from their paths (see [`crate::shard`]), as an ordinary set of outputs whose HDF5 files say
+/// which shard they are ([`crate::shard::ShardRecord`]). Every shard lists the whole tree (so
+/// that appended labels get the same ids everywhere) and reads only its own files.
+pub fn rebuild_shard(
+    settings: &Settings,
+    device: DeviceChoice,
+    ui: &Ui,
+    shard: Option<Shard>,
+) -> anyhow::Result<RebuildReport> {
+    rebuild_with(settings, ui, shard, |threads| {
+        features::build(&settings.features, &settings.gpu, device, threads)
+    })
+}
+
+/// [`rebuild_shard`] with the featuriser `make_featuriser(worker threads)` returns, built while
+/// the tree is listed. For benchmarks that put another featuriser in the real pipeline
+/// (`cargo bench --bench rebuild -- --ceiling`); users choose with `--device`.
+pub fn rebuild_with(
+    settings: &Settings,
+    ui: &Ui,
+    shard: Option<Shard>,
+    make_featuriser: impl FnOnce(usize) -> anyhow::Result<Box<dyn features::Featuriser>> + Send,
+) -> anyhow::Result<RebuildReport> {
+    let started = Instant::now();
+    if shard.is_some() && !settings.outputs.hdf5 {
+        return Err(crate::config::ConfigError::Invalid {
+            key: "outputs.hdf5".into(),
+            message: "rebuild --shard needs HDF5 outputs (true): merge reads the shards' HDF5 \
+                      files"
+                .into(),
         }
+        .into());
     }
+    let _lock = WriterLocks::acquire(settings, "rebuild")?;
+    crate::engine::manifest::set_cache_mb(settings.ingest.manifest_cache_mb);
+    staging::finish_pending(settings)?;
+    staging::prepare(settings)?;
+    let (mut found, appended_before, featuriser, stores) = start_up(settings, make_featuriser)?;
+    let labels = label_ids(settings, &found, &appended_before);
+    let record = shard.map(|s| {
+        let record = ShardRecord::new(
+            s,
+            &settings.paths.recordings,
+            found.iter().map(|f| f.rel()),
+            settings,
+        );
+        found.retain(|f| s.contains(f.rel()));
+        record
+    });
     let batch = featuriser.bulk_batch().max(1);
     log::info!(
-        "rebuild: {} recordings under {}, featurising on {}",
+        "rebuild: {} recordings under {}{}, featurising on {}",
         found.len(),
         settings.paths.recordings.display(),
+        shard.map_or(String::new(), |s| format!(" in shard {s}")),
         featuriser.name()
     );
     let mut engine = Engine::open_bulk(settings, featuriser, stores, labels)?;
-    engine.set_shard(shard);
-    let bar = progress_bar(ui.progress, found.len() as u64);
-    let ingest_start = Instant::now();
     let mut report = RebuildReport {
         files: found.len(),
-        rows: [0; 3],
-        duplicates: 0,
-        quarantined: Vec::new(),
         device: engine.device().to_string(),
-        elapsed: Duration::ZERO,
-        stages: Vec::new(),
-        phases: Vec::new(),
         labels: engine.labels().to_vec(),
-        rows_per_label: Vec::new(),
-        shard: (!shard.is_all()).then(|| shard.to_string()),
-        other_shards: 0,
+        shard: shard.map(|s| s.to_string()),
+        other_shards: record
+            .as_ref()
+            .map_or(0, |r| r.listed as usize - found.len()),
+        ..RebuildReport::default()
     };
-    let record = |done: Vec<crate::engine::Done>, report: &mut RebuildReport| {
-        for d in done {
-            report.rows = d.rows;
-            report.other_shards += d.other_shards;
-            report
-                .quarantined
-                .extend(d.quarantined.into_iter().map(|(p, r)| (p, r.to_string())));
-        }
-    };
-    for names in found.chunks(batch) {
-        let inputs = names
-            .iter()
-            .map(|f| match f {
-                Found::Recording(rel) => Input::Load {
-                    rel: rel.clone(),
-                    seen: None,
-                },
-                Found::Rejected { rel, reason } => Input::Observe(Observation::Rejected {
-                    rel: rel.clone(),
-                    reason: reason.clone(),
-                    size: 0,
-                    mtime_ns: 0,
-                }),
-            })
-            .collect();
-        engine.submit(inputs)?;
-        record(engine.completed()?, &mut report);
-        if let Some(b) = &bar {
-            b.inc(names.len() as u64);
-        }
-    }
-    record(engine.wait()?, &mut report);
-    report.files -= report.other_shards;
+    let ingest_start = Instant::now();
+    ingest(&mut engine, &found, batch, ui, &mut report)?;
     report.labels = engine.labels().to_vec();
     (report.rows_per_label, report.duplicates) =
         rows_per_label(engine.manifest(), report.labels.len())?;
     engine
         .manifest()
         .set_meta("rebuilt_at_ms", &now_ms().to_string())?;
+    let shared = match &record {
+        Some(_) => Some(shared_by_split(engine.manifest(), settings)?),
+        None => None,
+    };
     let stage_times = engine.times().seconds();
     // What `status` shows of the rebuilt manifest, kept once it is closed and in place (so that
     // `status` need not open it).
     let status_report = crate::status::collect(engine.manifest(), engine.labels(), settings);
     let close_start = Instant::now();
     let device_times = engine.finish()?;
-    if let Some(b) = bar {
-        b.finish_and_clear();
-    }
     for (rel, reason) in &report.quarantined {
         log::warn!(file = rel.as_str(), reason = reason.as_str(); "quarantined {rel}: {reason}");
+    }
+    if let (Some(record), Some(shared)) = (record, shared) {
+        write_shard_records(settings, record, shared)?;
     }
     let swap_start = Instant::now();
     staging::swap_in(settings)?;
@@ -259,6 +250,130 @@ pub fn rebuild_with(
         ]);
     }
     Ok(report)
+}
+
+/// The label ids: the configured names, those the old manifest appended, then folders appended
+/// under `labels.unknown = "append"` in path order (over the whole tree, so that every shard
+/// numbers them alike).
+fn label_ids(settings: &Settings, found: &[Found], appended_before: &[String]) -> LabelSet {
+    let mut labels = LabelSet::new(
+        &settings.labels.names,
+        appended_before,
+        settings.labels.unknown,
+    );
+    for f in found {
+        if let Some(folder) = crate::identity::label_folder(settings, f.rel()) {
+            let _ = labels.resolve(folder);
+        }
+    }
+    labels
+}
+
+/// Feed the engine `found` in path order, `batch` files at a time, and wait until every batch
+/// is durable; rows and quarantined files into `report`.
+fn ingest(
+    engine: &mut Engine,
+    found: &[Found],
+    batch: usize,
+    ui: &Ui,
+    report: &mut RebuildReport,
+) -> anyhow::Result<()> {
+    let bar = progress_bar(ui.progress, found.len() as u64);
+    let record = |done: Vec<crate::engine::Done>, report: &mut RebuildReport| {
+        for d in done {
+            report.rows = d.rows;
+            report
+                .quarantined
+                .extend(d.quarantined.into_iter().map(|(p, r)| (p, r.to_string())));
+        }
+    };
+    for names in found.chunks(batch) {
+        let inputs = names
+            .iter()
+            .map(|f| match f {
+                Found::Recording(rel) => Input::Load {
+                    rel: rel.clone(),
+                    seen: None,
+                },
+                Found::Rejected { rel, reason } => Input::Observe(Observation::Rejected {
+                    rel: rel.clone(),
+                    reason: reason.clone(),
+                    size: 0,
+                    mtime_ns: 0,
+                }),
+            })
+            .collect();
+        engine.submit(inputs)?;
+        record(engine.completed()?, report);
+        if let Some(b) = &bar {
+            b.inc(names.len() as u64);
+        }
+    }
+    record(engine.wait()?, report);
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    Ok(())
+}
+
+/// Per split, the contents of the shard's rows that several of its paths hold (every path
+/// with its label folder), for `merge` to list label conflicts as one rebuild would.
+fn shared_by_split(
+    manifest: &Manifest,
+    settings: &Settings,
+) -> anyhow::Result<[Vec<SharedContent>; 3]> {
+    let mut out: [Vec<SharedContent>; 3] = Default::default();
+    for item in manifest.shared_contents() {
+        let (hash, c) = item?;
+        let Some(row) = c.row else { continue };
+        out[row.split as usize].push(SharedContent {
+            blake3: crate::identity::hex(&hash),
+            paths: c
+                .paths
+                .iter()
+                .map(|p| {
+                    let folder = crate::identity::label_folder(settings, p).unwrap_or("");
+                    (p.clone(), folder.to_string())
+                })
+                .collect(),
+        });
+    }
+    Ok(out)
+}
+
+/// Write `record` (with each split's shared contents) into the staged HDF5 files as the
+/// attribute [`crate::shard::ATTRIBUTE`], before they are swapped in.
+fn write_shard_records(
+    settings: &Settings,
+    mut record: ShardRecord,
+    shared: [Vec<SharedContent>; 3],
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let stage = staging::output_staging(settings);
+    for (split, contents) in shared.into_iter().enumerate() {
+        let path = crate::output::hdf5_path(&stage, &settings.outputs.hdf5_names, split);
+        record.shared = contents;
+        let json: hdf5::types::VarLenUnicode = serde_json::to_string(&record)?
+            .parse()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let write = || -> anyhow::Result<()> {
+            let fapl = hdf5::file::FileAccess::build()
+                .libver_bounds(
+                    hdf5::file::LibraryVersion::V110,
+                    hdf5::file::LibraryVersion::V110,
+                )
+                .finish()?;
+            let file = hdf5::File::with_options().set_fapl(&fapl)?.open_rw(&path)?;
+            file.new_attr::<hdf5::types::VarLenUnicode>()
+                .create(crate::shard::ATTRIBUTE)?
+                .write_scalar(&json)?;
+            file.close()?;
+            std::fs::File::open(&path)?.sync_all()?;
+            Ok(())
+        };
+        write().with_context(|| format!("{}: recording the shard", path.display()))?;
+    }
+    Ok(())
 }
 
 /// Valid rows per label id, and paths that share another path's row.

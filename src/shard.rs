@@ -1,14 +1,23 @@
 //! Shards of a recording tree for `rebuild --shard I/N` (README, "Beyond one machine"): which
-//! recordings shard I of N owns, decided from the content hash alone, so that a recording's
-//! shard never changes (whatever else is in the tree, on whichever machine) and N shards split
-//! any tree evenly.
+//! recordings shard I of N owns, decided from the recording's path alone (no byte of the file
+//! is read to decide), so that each shard lists the tree and reads only its own files, and a
+//! path's shard never changes (whatever else is in the tree, on whichever machine).
 //!
-//! The rule reads hash bytes 8..16 (the split uses bytes 0..8, see [`crate::identity::hash_split`],
-//! so shards are independent of splits: every shard holds the configured split ratios) as a
-//! little-endian u64 `x` and maps it to `floor(x * N / 2^64)`, the shard index in 0..N.
+//! The rule: the blake3 hash of the path relative to `paths.recordings` (UTF-8, `/`-separated,
+//! as `source_path` holds it), bytes 0..8 as a little-endian u64 `x`, mapped to
+//! `floor(x * N / 2^64)`, the shard index in 0..N. The same bytes under several paths may so
+//! land in several shards: `merge` settles their ownership (see [`crate::merge`]). A shard's
+//! outputs say what they are in a [`ShardRecord`].
 
-use crate::identity::Hash;
+use serde::{Deserialize, Serialize};
 use std::fmt;
+
+/// The rule, as shard outputs name it (a shard made by another rule cannot be merged with
+/// these).
+pub const RULE: &str = "path: floor(u64_le(blake3(relative path)[0..8]) * N / 2^64)";
+
+/// The HDF5 attribute of each split file of a shard's outputs that holds its [`ShardRecord`].
+pub const ATTRIBUTE: &str = "shard_json";
 
 /// Shard `index` of `count` (0 <= index < count).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,6 +32,77 @@ pub struct Shard {
 pub struct ShardError {
     pub value: String,
     pub why: String,
+}
+
+/// What a shard's outputs are (attribute [`ATTRIBUTE`] of each split file, JSON), for `merge`
+/// to settle ownership across shards and to refuse an incomplete or mixed set.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardRecord {
+    pub index: u32,
+    pub count: u32,
+    /// [`RULE`].
+    pub rule: String,
+    /// The recordings folder, absolute: shards of one tree name the same.
+    pub tree: String,
+    /// Files listed in the whole tree (every shard lists all of it), and the blake3 of the
+    /// sorted relative paths: shards that listed different trees (it changed while they ran)
+    /// differ here.
+    pub listed: u64,
+    pub listing_blake3: String,
+    /// The label and split settings (`[labels]`, `[splits]`), which every shard must share.
+    pub settings: serde_json::Value,
+    /// The contents of this file's rows that several paths of this shard hold: every path
+    /// (byte order; the first owns the row here) with its label folder.
+    #[serde(default)]
+    pub shared: Vec<SharedContent>,
+}
+
+/// One content several paths of a shard hold.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SharedContent {
+    pub blake3: String,
+    pub paths: Vec<(String, String)>,
+}
+
+impl ShardRecord {
+    /// The record of `shard` over the listing `rels` (every relative path found, sorted) of
+    /// `tree`, with `settings`' label and split settings; `shared` is filled in per file.
+    pub fn new<'a>(
+        shard: Shard,
+        tree: &std::path::Path,
+        rels: impl Iterator<Item = &'a str>,
+        settings: &crate::config::Settings,
+    ) -> ShardRecord {
+        let mut listing = blake3::Hasher::new();
+        let mut listed = 0;
+        for rel in rels {
+            listing.update(rel.as_bytes());
+            listing.update(b"\0");
+            listed += 1;
+        }
+        let tree = std::path::absolute(tree).unwrap_or_else(|_| tree.to_path_buf());
+        ShardRecord {
+            index: shard.index,
+            count: shard.count,
+            rule: RULE.to_string(),
+            tree: tree.to_string_lossy().into_owned(),
+            listed,
+            listing_blake3: listing.finalize().to_hex().to_string(),
+            settings: serde_json::json!({
+                "labels": settings.labels,
+                "splits": settings.splits,
+            }),
+            shared: Vec::new(),
+        }
+    }
+
+    /// This record's shard.
+    pub fn shard(&self) -> Shard {
+        Shard {
+            index: self.index,
+            count: self.count,
+        }
+    }
 }
 
 impl Shard {
@@ -42,21 +122,16 @@ impl Shard {
         Ok(Shard { index, count })
     }
 
-    /// Whether this shard owns the recording with content hash `hash`.
-    pub fn contains(&self, hash: &Hash) -> bool {
-        self.of(hash) == self.index
+    /// Whether this shard owns the recording at `rel` (relative to `paths.recordings`).
+    pub fn contains(&self, rel: &str) -> bool {
+        self.of(rel) == self.index
     }
 
-    /// The shard (of `self.count`) that owns `hash`.
-    pub fn of(&self, hash: &Hash) -> u32 {
-        let x = u64::from_le_bytes(hash[8..16].try_into().expect("8 bytes"));
+    /// The shard (of `self.count`) that owns the recording at `rel`.
+    pub fn of(&self, rel: &str) -> u32 {
+        let h = blake3::hash(rel.as_bytes());
+        let x = u64::from_le_bytes(h.as_bytes()[0..8].try_into().expect("8 bytes"));
         ((x as u128 * self.count as u128) >> 64) as u32
-    }
-
-    /// Files that cannot be read at all have no hash: the first shard reports them, so that
-    /// every such file is reported once over all shards.
-    pub fn owns_unhashable(&self) -> bool {
-        self.index == 0
     }
 
     pub fn is_all(&self) -> bool {
@@ -163,18 +238,19 @@ mod tests {
         move |k| map.get(k).cloned()
     }
 
-    fn hashes(n: u32) -> Vec<Hash> {
+    /// Paths as a tree holds them: label folders, sensor~recording~time~gain names.
+    fn paths(n: u32) -> Vec<String> {
         (0..n)
-            .map(|i| content_hash(format!("recording {i}").as_bytes()))
+            .map(|i| format!("LEAK/S{:03}~R{i:07}~20250118120530~100.wav", i % 97))
             .collect()
     }
 
     #[test]
     fn every_recording_is_in_exactly_one_shard() {
         for count in [1, 2, 3, 4, 7, 16] {
-            for h in hashes(2000) {
+            for p in paths(2000) {
                 let owners = (0..count)
-                    .filter(|&i| Shard::new(i, count).unwrap().contains(&h))
+                    .filter(|&i| Shard::new(i, count).unwrap().contains(&p))
                     .count();
                 assert_eq!(owners, 1, "count {count}");
             }
@@ -183,11 +259,11 @@ mod tests {
 
     #[test]
     fn shards_are_balanced() {
-        let all = hashes(40_000);
+        let all = paths(40_000);
         for count in [2u32, 4, 10, 64] {
             let mut sizes = vec![0u32; count as usize];
-            for h in &all {
-                sizes[Shard::new(0, count).unwrap().of(h) as usize] += 1;
+            for p in &all {
+                sizes[Shard::new(0, count).unwrap().of(p) as usize] += 1;
             }
             let mean = all.len() as f64 / count as f64;
             // Binomial: 5 standard deviations around the mean.
@@ -203,14 +279,20 @@ mod tests {
 
     #[test]
     fn shards_are_independent_of_splits() {
-        // Each shard must hold the split ratios, not one split.
-        let all = hashes(20_000);
+        // Each shard must hold the split ratios (splits come from the content), not one split.
+        let all: Vec<(String, crate::identity::Hash)> = paths(20_000)
+            .into_iter()
+            .map(|p| {
+                let h = content_hash(format!("bytes of {p}").as_bytes());
+                (p, h)
+            })
+            .collect();
         let ratios = [70, 20, 10];
         for index in 0..4 {
             let shard = Shard::new(index, 4).unwrap();
             let mut per_split = [0f64; 3];
             let mut n = 0f64;
-            for h in all.iter().filter(|h| shard.contains(h)) {
+            for (_, h) in all.iter().filter(|(p, _)| shard.contains(p)) {
                 per_split[crate::identity::hash_split(h, &ratios)] += 1.0;
                 n += 1.0;
             }
@@ -226,21 +308,54 @@ mod tests {
 
     #[test]
     fn the_rule_is_stable() {
-        // Pinned: a recording's shard must never change between versions (outputs of shards
-        // made by different versions are merged together).
-        let h = content_hash(b"ailhd");
+        // Pinned: a path's shard must never change between versions (outputs of shards made by
+        // different versions are merged together).
+        let p = "LEAK/S001~R123~20250118120530~100.wav";
         let got: Vec<u32> = [2, 3, 4, 10, 1000]
             .iter()
-            .map(|&n| Shard::new(0, n).unwrap().of(&h))
+            .map(|&n| Shard::new(0, n).unwrap().of(p))
             .collect();
-        let x = u64::from_le_bytes(h[8..16].try_into().unwrap()) as f64 / 2f64.powi(64);
+        let h = blake3::hash(p.as_bytes());
+        let x = u64::from_le_bytes(h.as_bytes()[0..8].try_into().unwrap()) as f64 / 2f64.powi(64);
         let expect: Vec<u32> = [2, 3, 4, 10, 1000]
             .iter()
             .map(|&n| (x * n as f64) as u32)
             .collect();
         assert_eq!(got, expect);
-        assert!(Shard::ALL.contains(&h));
+        assert_eq!(got, [0, 1, 1, 4, 463], "the pinned shards of {p}");
+        assert!(Shard::ALL.contains(p));
         assert!(Shard::new(0, 1).unwrap().is_all());
+    }
+
+    #[test]
+    fn records_of_one_tree_agree_and_name_their_listing() {
+        let settings = crate::config::Settings::default();
+        let tree = std::path::Path::new("/data/rec");
+        let all = paths(10);
+        let a = ShardRecord::new(
+            Shard::new(0, 2).unwrap(),
+            tree,
+            all.iter().map(|s| s.as_str()),
+            &settings,
+        );
+        let b = ShardRecord::new(
+            Shard::new(1, 2).unwrap(),
+            tree,
+            all.iter().map(|s| s.as_str()),
+            &settings,
+        );
+        assert_eq!((a.listed, &a.listing_blake3), (10, &b.listing_blake3));
+        assert_eq!((a.rule.as_str(), &a.settings), (RULE, &b.settings));
+        let fewer = ShardRecord::new(
+            Shard::new(1, 2).unwrap(),
+            tree,
+            all[1..].iter().map(|s| s.as_str()),
+            &settings,
+        );
+        assert_ne!(fewer.listing_blake3, a.listing_blake3);
+        let back: ShardRecord = serde_json::from_str(&serde_json::to_string(&a).unwrap()).unwrap();
+        assert_eq!(back, a);
+        assert_eq!(back.shard(), Shard::new(0, 2).unwrap());
     }
 
     #[test]

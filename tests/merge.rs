@@ -123,25 +123,38 @@ fn check(mode: &str, spec: serde_json::Value, dir: &Path) -> String {
     python("merge_check.py", &[mode, path.to_str().unwrap()])
 }
 
-#[test]
-fn shards_then_merge_equal_one_rebuild() {
-    let tmp = tempfile::tempdir().unwrap();
-    // Everything under one folder that is moved before reading: the merged files must follow
-    // their inputs.
-    let site = tmp.path().join("site");
-    let rec = site.join("rec");
-    write_tree(&rec, 12, 7);
-    let reference = config(&site.join("full"), &rec, "");
-    ok(&run(&reference, &["rebuild", "--device", "cpu"]));
+/// Copies of `files`' bytes under other paths, chosen (by the path rule, for `n` shards) so
+/// that the tree holds shared bytes within one shard and across shards, under one label and
+/// under two. Returns (original, copy) relative paths.
+fn write_shared_copies(rec: &Path, files: &[PathBuf], n: u32) -> Vec<(String, String)> {
+    let shard_of = |rel: &str| ailhd::shard::Shard::new(0, n).unwrap().of(rel);
+    let rel = |f: &Path| f.strip_prefix(rec).unwrap().to_str().unwrap().to_string();
+    let mut written = Vec::new();
+    // (label folder of the copy, whether it must sit in the original's shard)
+    let wanted = [
+        ("NORMAL", true),
+        ("NORMAL", false),
+        ("LEAK", true),
+        ("LEAK", false),
+    ];
+    for (k, (folder, same)) in wanted.into_iter().enumerate() {
+        let original = &files[3 * k + 1];
+        let home = shard_of(&rel(original));
+        let copy = (0..)
+            .map(|m| format!("{folder}/copy_{k}_{m}.wav"))
+            .find(|c| (shard_of(c) == home) == same)
+            .unwrap();
+        std::fs::copy(original, rec.join(&copy)).unwrap();
+        written.push((rel(original), copy));
+    }
+    written
+}
 
-    let n = 3;
-    let shard_configs: Vec<PathBuf> = (0..n)
-        .map(|i| config(&site.join(format!("shard-{i}")), &rec, ""))
-        .collect();
-    // The shards run at the same time, as a scheduler runs them.
-    let children: Vec<_> = shard_configs
+/// Start `rebuild --shard I/n` of `config` for each (I, config), at the same time as a
+/// scheduler runs them, and wait for all.
+fn run_shards(configs: &[(u32, &Path)], n: u32) {
+    let children: Vec<_> = configs
         .iter()
-        .enumerate()
         .map(|(i, c)| {
             ailhd(
                 c,
@@ -153,10 +166,53 @@ fn shards_then_merge_equal_one_rebuild() {
             .unwrap()
         })
         .collect();
-    for (i, child) in children.into_iter().enumerate() {
+    for ((i, _), child) in configs.iter().zip(children) {
         let out = ok(&child.wait_with_output().unwrap());
         assert!(out.contains(&format!("shard {i}/{n}")), "{out}");
     }
+}
+
+fn merge_args(config: &Path, inputs: &[PathBuf], into: &Path, extra: &[&str]) -> Output {
+    let mut args: Vec<String> = vec!["merge".into()];
+    args.extend(inputs.iter().map(|d| d.display().to_string()));
+    args.extend(["--into".into(), into.display().to_string()]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run(config, &args)
+}
+
+/// Label conflicts as sorted (path, label) lists, from `status --json` or `merge --json`.
+fn conflicts(list: &serde_json::Value) -> Vec<Vec<(String, String)>> {
+    let mut out: Vec<Vec<(String, String)>> =
+        serde_json::from_value::<Vec<ailhd::status::LabelConflict>>(list.clone())
+            .unwrap()
+            .into_iter()
+            .map(|c| c.paths)
+            .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn shards_then_merge_equal_one_rebuild() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Everything under one folder that is moved before reading: the merged files must follow
+    // their inputs.
+    let site = tmp.path().join("site");
+    let rec = site.join("rec");
+    let n = 3;
+    let files = write_tree(&rec, 12, 7);
+    let copies = write_shared_copies(&rec, &files, n);
+    let reference = config(&site.join("full"), &rec, "");
+    ok(&run(&reference, &["rebuild", "--device", "cpu"]));
+
+    let shard_configs: Vec<PathBuf> = (0..n)
+        .map(|i| config(&site.join(format!("shard-{i}")), &rec, ""))
+        .collect();
+    let indexed: Vec<(u32, &Path)> = (0..n)
+        .zip(shard_configs.iter().map(|c| c.as_path()))
+        .collect();
+    run_shards(&indexed, n);
 
     // Each file is recorded by exactly one shard, and nowhere quarantined for being elsewhere.
     let full = status(&reference);
@@ -190,18 +246,72 @@ fn shards_then_merge_equal_one_rebuild() {
     assert_eq!(from_shards, from_full);
     assert_eq!(from_full.len(), 3, "{from_full:?}");
 
+    // Shards given in reverse: the smallest path owns shared bytes, not the first input.
     let merged = site.join("merged");
-    let mut args = vec!["merge".to_string()];
-    args.extend((0..n).map(|i| format!("{}/shard-{i}/out", site.display())));
-    args.extend([
-        "--into".into(),
-        merged.display().to_string(),
-        "--npy".into(),
-    ]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = ok(&run(&reference, &args));
-    assert!(out.contains("COPIES"), "{out}");
-    assert!(out.contains("0 rows set valid = 0"), "{out}");
+    let inputs: Vec<PathBuf> = (0..n)
+        .rev()
+        .map(|i| site.join(format!("shard-{i}/out")))
+        .collect();
+    let report: serde_json::Value = serde_json::from_str(&ok(&merge_args(
+        &reference,
+        &inputs,
+        &merged,
+        &["--npy", "--json"],
+    )))
+    .unwrap();
+    assert!(
+        report["rule"].as_str().unwrap().contains("smallest path"),
+        "{report}"
+    );
+    // A copy held by another shard than its original's: that shard's row of it is not valid.
+    let shard_of = |rel: &str| ailhd::shard::Shard::new(0, n).unwrap().of(rel);
+    let first = files[0]
+        .strip_prefix(&rec)
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let across = copies
+        .iter()
+        .chain([&(first, "NORMAL/copy_of_first.wav".to_string())])
+        .filter(|(a, b)| shard_of(a) != shard_of(b))
+        .count();
+    assert!(across >= 2);
+    assert_eq!(
+        report["duplicates"].as_u64(),
+        Some(across as u64),
+        "{report}"
+    );
+    let listed = conflicts(&report["label_conflict_list"]);
+    assert_eq!(
+        listed,
+        conflicts(&full["label_conflicts"]),
+        "label conflicts as one rebuild's status lists them"
+    );
+    assert!(listed.len() >= 3, "{listed:?}");
+    let text = ok(&merge_args(&reference, &inputs, &merged, &["--npy"]));
+    assert!(
+        text.contains("COPIES") && text.contains("the smallest path keeps it"),
+        "{text}"
+    );
+    assert!(
+        text.contains("copy_0_") && text.contains("copy_1_"),
+        "{text}"
+    );
+    let spec = serde_json::json!({
+        "merged": merged,
+        "reference": site.join("full/out"),
+        "names": NAMES,
+        "npy": true,
+    });
+    let digest = |checked: &str| checked.lines().last().unwrap().to_string();
+    let before = digest(&check("same", spec, tmp.path()));
+
+    // Shard 1 failed and runs again alone: the merge gives the same view.
+    std::fs::remove_dir_all(site.join("shard-1")).unwrap();
+    let again = config(&site.join("shard-1"), &rec, "");
+    run_shards(&[(1, &again)], n);
+    ok(&merge_args(&reference, &inputs, &merged, &["--npy"]));
 
     let moved = tmp.path().join("moved");
     std::fs::rename(&site, &moved).unwrap();
@@ -215,7 +325,13 @@ fn shards_then_merge_equal_one_rebuild() {
         "npy": true,
         "h5dump": h5dump_bins(&merged, &bins),
     });
-    println!("{}", check("same", spec, tmp.path()));
+    let checked = check("same", spec, tmp.path());
+    println!("{checked}");
+    assert_eq!(
+        digest(&checked),
+        before,
+        "the merged view after shard 1 ran again"
+    );
 }
 
 #[test]
@@ -277,6 +393,7 @@ fn merging_overlapping_hosts_keeps_one_valid_row_per_content() {
         );
         assert!(out.contains("relabelled_on_b.wav"), "{out}");
         assert!(out.contains("(label ids remapped)"), "{out}");
+        assert!(out.contains("rule: first input wins"), "{out}");
         let mut names: Vec<&str> = LABELS.to_vec();
         names.extend(labels);
         let spec = serde_json::json!({
@@ -382,6 +499,102 @@ fn incompatible_inputs_and_bad_targets_are_refused() {
             .unwrap(),
     );
     assert!(out.contains("shard 1/2"), "{out}");
+}
+
+/// What a shard reads is its own files (and a few KB of its own: configuration, manifest),
+/// from `/proc/<pid>/io` (rchar: every read(2), from the page cache or not): the shell that
+/// runs it reaps it and so holds its counts.
+#[test]
+fn a_shard_reads_only_its_own_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rec = tmp.path().join("rec");
+    let files = ailhd::synth::write_tree(&rec, &LABELS, 8, 21).unwrap();
+    let n = 4;
+    let cfg = config(&tmp.path().join("s1"), &rec, "");
+    let rel = |f: &PathBuf| f.strip_prefix(&rec).unwrap().to_str().unwrap().to_string();
+    let size = |f: &PathBuf| std::fs::metadata(f).unwrap().len();
+    let tree: u64 = files.iter().map(size).sum();
+    let own: u64 = files
+        .iter()
+        .filter(|f| ailhd::shard::Shard::new(1, n).unwrap().contains(&rel(f)))
+        .map(size)
+        .sum();
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(r#""$@" >/dev/null && awk '/^rchar/ {print $2}' /proc/$$/io"#)
+        .arg("sh")
+        .arg(bin())
+        .arg("--config")
+        .arg(&cfg)
+        .args(["rebuild", "--device", "cpu", "--shard", "1/4"])
+        .env_remove("AILHD_CONFIG")
+        .output()
+        .unwrap();
+    let read: u64 = ok(&o).trim().parse().unwrap();
+    assert!(
+        own > 0 && own < tree / 2,
+        "shard 1/4 holds {own} of {tree} bytes"
+    );
+    assert!(
+        read >= own && read - own < 256 * 1024,
+        "shard 1/4 read {read} bytes; its own files hold {own}, the tree {tree}"
+    );
+}
+
+#[test]
+fn incomplete_or_mixed_sets_of_shards_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rec = tmp.path().join("rec");
+    ailhd::synth::write_tree(&rec, &LABELS, 3, 11).unwrap();
+    let other = tmp.path().join("other-host");
+    ailhd::synth::write_tree(&other, &LABELS, 2, 12).unwrap();
+    let cfg = |name: &str, rec: &Path, extra: &str| config(&tmp.path().join(name), rec, extra);
+    let (a0, a1) = (cfg("a0", &rec, ""), cfg("a1", &rec, ""));
+    let b0 = cfg("b0", &rec, "");
+    let sensor = cfg("s1", &rec, "[splits]\nmode = \"sensor\"\n");
+    let host = cfg("host", &other, "");
+    run_shards(&[(0, &a0), (1, &a1), (1, &sensor)], 2);
+    run_shards(&[(0, &b0)], 3);
+    ok(&run(&host, &["rebuild", "--device", "cpu"]));
+    let dir = |x: &str| tmp.path().join(x).join("out");
+    let into = tmp.path().join("merged");
+    let twice = tmp.path().join("a1-copy");
+    std::fs::create_dir_all(&twice).unwrap();
+    for name in NAMES {
+        std::fs::copy(dir("a1").join(name), twice.join(name)).unwrap();
+    }
+
+    let e = refused(
+        &merge_args(&a0, &[dir("a0")], &into, &[]),
+        &[
+            "incomplete",
+            "shard 1/2 missing",
+            dir("a0").to_str().unwrap(),
+        ],
+    );
+    assert!(!into.join(NAMES[0]).exists(), "{e}");
+    refused(
+        &merge_args(&a0, &[dir("a0"), dir("a1"), dir("b0")], &into, &[]),
+        &["mixed set", "two shard counts", dir("b0").to_str().unwrap()],
+    );
+    refused(
+        &merge_args(&a0, &[dir("a0"), dir("a1"), twice.clone()], &into, &[]),
+        &["shard 1/2", "given twice", twice.to_str().unwrap()],
+    );
+    refused(
+        &merge_args(&a0, &[dir("a0"), dir("s1")], &into, &[]),
+        &["different label or split settings", "sensor"],
+    );
+    // A complete set of one tree with another host's output: each tree's shards as one
+    // rebuild, the first input between trees; the merge says so.
+    let out = ok(&merge_args(
+        &a0,
+        &[dir("host"), dir("a1"), dir("a0")],
+        &into,
+        &[],
+    ));
+    assert!(out.contains("between trees"), "{out}");
+    assert!(out.contains("merged 3 inputs"), "{out}");
 }
 
 #[test]

@@ -63,7 +63,7 @@ echo "all jobs finished in $(($(date +%s) - started)) s; logs: $work/ailhd-*.out
 for ((i = 0; i < shards; i++)); do
     [ -f "$work/shard-$i/DONE" ] || { echo "shard $i did not finish" >&2; exit 1; }
 done
-cat "$work"/ailhd-*.out | grep -E '^(rebuilt|merged|  shard)' || true
+cat "$work"/ailhd-*.out | grep -E '^(rebuilt|merged|  shard|  rule|  same content)' || true
 for f in "$work"/merged/*.H5; do
     [ -f "$f" ] || { echo "no merged files in $work/merged" >&2; exit 1; }
 done

@@ -26,7 +26,6 @@ pub struct Job {
     pub seen: Option<Instant>,
     pub file: std::fs::File,
     pub meta: std::fs::Metadata,
-    pub shard: crate::shard::Shard,
 }
 
 /// What loading a job gave.
@@ -183,7 +182,6 @@ fn run(ctx: Context, jobs: Receiver<(u64, Job)>, out: Sender<Finished>, stop: Ar
                 &ctx.features,
                 &ctx.shape,
                 &ctx.times,
-                job.shard,
             )
         };
         if out.send(Finished { gen, observation }).is_err() {

@@ -104,8 +104,6 @@ pub struct Plan {
     pub reread: Vec<String>,
     /// When each path that now holds a row was seen complete (latency figures).
     pub seen: Vec<Instant>,
-    /// Files of this batch left to other shards (filled in by the engine).
-    pub other_shards: usize,
     pub counts: Counts,
 }
 
@@ -308,7 +306,7 @@ impl Ledger {
             let binding = match o {
                 Observation::Gone(_)
                 | Observation::Loaded(Loaded {
-                    load: Load::Vanished | Load::OtherShard,
+                    load: Load::Vanished,
                     ..
                 }) => Binding::Nothing,
                 Observation::FolderGone(_) => unreachable!("expanded above"),

@@ -84,8 +84,6 @@ pub struct Done {
     pub latencies: Vec<Duration>,
     /// Rows per split after this batch.
     pub rows: [u64; 3],
-    /// Files of this batch left to other shards (`rebuild --shard`).
-    pub other_shards: usize,
 }
 
 /// The context of an error of the featuriser (not of writing): the engine stopped, and the
@@ -125,10 +123,6 @@ pub struct Engine {
     writing: Option<JoinHandle<anyhow::Result<Committer>>>,
     /// Batches submitted and not yet reported done.
     in_flight: usize,
-    /// Only recordings of this shard are ingested (`rebuild --shard`).
-    shard: crate::shard::Shard,
-    /// Files of the batch being submitted that belong to other shards.
-    other_shards: Arc<std::sync::atomic::AtomicUsize>,
     /// Which files are being read, for the next start if this process dies.
     journal: Arc<inflight::Journal>,
     /// Large files, loaded apart from the batches.
@@ -449,16 +443,9 @@ impl Engine {
             featurising: Some(featurising),
             writing: Some(writing),
             in_flight: 0,
-            shard: crate::shard::Shard::ALL,
-            other_shards: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             journal,
             lane,
         }
-    }
-
-    /// Ingest only the recordings of `shard`; the others are hashed and left out.
-    pub fn set_shard(&mut self, shard: crate::shard::Shard) {
-        self.shard = shard;
     }
 
     pub fn device(&self) -> &str {
@@ -512,18 +499,13 @@ impl Engine {
         let features = &self.settings.features;
         let shape = &self.shape;
         let times = &*self.times;
-        let shard = self.shard;
-        let other = &*self.other_shards;
         let journal = &*self.journal;
         let lane = &mut self.lane;
-        let load = |input: OpenedInput| {
-            let o = match input {
-                OpenedInput::Load { rel, seen, file } => {
-                    stages::load(file, rel, seen, features, shape, times, shard)
-                }
-                OpenedInput::Observe(o) => o,
-            };
-            keep(shard, other, o)
+        let load = |input: OpenedInput| match input {
+            OpenedInput::Load { rel, seen, file } => {
+                stages::load(file, rel, seen, features, shape, times)
+            }
+            OpenedInput::Observe(o) => o,
         };
         let mut inputs = inputs.into_iter().peekable();
         self.pool.install(|| {
@@ -563,7 +545,6 @@ impl Engine {
                                 seen,
                                 file,
                                 meta,
-                                shard,
                             });
                             continue;
                         }
@@ -580,7 +561,7 @@ impl Engine {
                     group.push(o);
                 }
                 let _reading = journal.reading(inflight::Slot::Batch, reading);
-                observations.par_extend(group.into_par_iter().filter_map(load));
+                observations.par_extend(group.into_par_iter().map(load));
             }
         });
         self.dispatch(observations)
@@ -631,7 +612,7 @@ impl Engine {
                         size: meta.len(),
                         mtime_ns: stages::mtime_ns(&meta),
                     };
-                    observations.extend(keep(self.shard, &self.other_shards, o));
+                    observations.push(o);
                 }
                 inflight::Verdict::Suspect { deaths } => {
                     let file = stages::open(root, &rel, &self.times);
@@ -649,10 +630,9 @@ impl Engine {
                             &self.settings.features,
                             &self.shape,
                             &self.times,
-                            self.shard,
                         )
                     };
-                    observations.extend(keep(self.shard, &self.other_shards, o));
+                    observations.push(o);
                 }
             }
         }
@@ -662,10 +642,7 @@ impl Engine {
     /// Decide `observations` and hand the plan on.
     fn dispatch(&mut self, observations: Vec<Observation>) -> anyhow::Result<()> {
         let t = Instant::now();
-        let mut plan = self.ledger.decide(&*self.manifest, observations)?;
-        plan.other_shards = self
-            .other_shards
-            .swap(0, std::sync::atomic::Ordering::Relaxed);
+        let plan = self.ledger.decide(&*self.manifest, observations)?;
         StageTimes::add(&self.times.decide, t);
         let tx = self
             .to_featurise
@@ -679,7 +656,7 @@ impl Engine {
     }
 
     /// The lane's results ready now (and `first`, one just received), into `observations`.
-    /// Returns whether any result counted (to be decided, even if left to another shard).
+    /// Returns whether there was any.
     fn take_lane(
         &mut self,
         first: Option<lane::Finished>,
@@ -691,11 +668,7 @@ impl Engine {
             taken.extend(self.lane.ready());
         }
         let any = !taken.is_empty();
-        observations.extend(
-            taken
-                .into_iter()
-                .filter_map(|o| keep(self.shard, &self.other_shards, o)),
-        );
+        observations.extend(taken);
         any
     }
 
@@ -884,37 +857,12 @@ fn open_or_set_aside(dir: &Path) -> anyhow::Result<Manifest> {
     }
 }
 
-/// Whether an observation is this engine's shard's (files left to other shards are counted and
-/// dropped).
-fn keep(
-    shard: crate::shard::Shard,
-    other: &std::sync::atomic::AtomicUsize,
-    o: Observation,
-) -> Option<Observation> {
-    let mine = match &o {
-        Observation::Loaded(outcome::Loaded {
-            load: outcome::Load::OtherShard,
-            ..
-        }) => false,
-        Observation::Loaded(outcome::Loaded {
-            load: outcome::Load::Read { .. },
-            ..
-        }) => true,
-        _ => shard.owns_unhashable(),
-    };
-    if !mine {
-        other.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
-    mine.then_some(o)
-}
-
 fn done_of(plan: Plan) -> Done {
     let now = Instant::now();
     Done {
         counts: plan.counts,
         quarantined: plan.quarantined,
         reread: plan.reread,
-        other_shards: plan.other_shards,
         latencies: plan.seen.iter().map(|t| now.duration_since(*t)).collect(),
         rows: plan.rows,
     }

@@ -52,8 +52,6 @@ pub enum Load {
     Vanished,
     /// Opening or reading failed.
     Unreadable(String),
-    /// Read and hashed, and left to another shard (`rebuild --shard`): not decoded.
-    OtherShard,
     /// Not usable, as its header alone shows: a file too large to read whole
     /// ([`crate::engine::stages::STREAM_ABOVE`]) is not read past its header when that says it
     /// is no WAV (1.5 GB of zeros named `.wav`), so it has no content hash.

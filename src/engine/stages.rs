@@ -101,11 +101,10 @@ pub fn load(
     features: &FeatureSettings,
     shape: &FeatureShape,
     times: &StageTimes,
-    shard: crate::shard::Shard,
 ) -> Observation {
     fail_while_reading(&rel);
     Observation::Loaded(Loaded {
-        load: load_file(file, features, shape, times, shard),
+        load: load_file(file, features, shape, times),
         rel,
         seen,
     })
@@ -132,11 +131,10 @@ fn load_file(
     features: &FeatureSettings,
     shape: &FeatureShape,
     times: &StageTimes,
-    shard: crate::shard::Shard,
 ) -> Load {
     if let Ok((f, meta)) = &file {
         if meta.len() > STREAM_ABOVE {
-            return load_streaming(f, meta, features, shape, times, shard);
+            return load_streaming(f, meta, features, shape, times);
         }
     }
     let t = Instant::now();
@@ -152,9 +150,6 @@ fn load_file(
     let t = Instant::now();
     let hash = identity::content_hash(bytes.bytes());
     StageTimes::add(&times.hash, t);
-    if !shard.contains(&hash) {
-        return Load::OtherShard;
-    }
     let t = Instant::now();
     let size = bytes.bytes().len() as u64;
     let decoded = if size != meta.len() {
@@ -190,7 +185,6 @@ fn load_streaming(
     features: &FeatureSettings,
     shape: &FeatureShape,
     times: &StageTimes,
-    shard: crate::shard::Shard,
 ) -> Load {
     let t = Instant::now();
     let streamed = decode::stream_file(f, meta.len(), features.sample_rate, shape.num_samples);
@@ -205,12 +199,6 @@ fn load_streaming(
         Ok(Streamed::Read {
             len, hash, wave, ..
         }) => {
-            if !shard.contains(&hash) {
-                if let Ok(w) = wave {
-                    w.recycle();
-                }
-                return Load::OtherShard;
-            }
             let decoded = if len != meta.len() {
                 if let Ok(w) = wave {
                     w.recycle();
