@@ -25,7 +25,8 @@
 //!
 //!   [`plot`] draws the pictures of `inspect` and `status`.
 //!
-//! Around them: [`config`], [`lock`] (one writer), [`migrate`] (schema versions), [`logging`].
+//! Around them: [`config`], [`lock`] (one writer), [`migrate`] (schema versions), [`logging`],
+//! [`json`] (what `--json` prints).
 pub mod config;
 pub mod daemon;
 pub mod decode;
@@ -36,6 +37,7 @@ pub mod engine;
 pub mod features;
 pub mod identity;
 pub mod inspect;
+pub mod json;
 pub mod lock;
 pub mod logging;
 pub mod merge;

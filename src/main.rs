@@ -184,7 +184,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             };
             let report = ailhd::rebuild::rebuild_shard(&s, dev, &ui, shard)?;
             if *json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
+                println!("{}", ailhd::json::render(&report)?);
             } else {
                 print!("{}", ailhd::rebuild::summary(&s, &report));
             }
@@ -205,7 +205,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                     }
                 })?;
             if *json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
+                println!("{}", ailhd::json::render(&report)?);
             } else {
                 print!("{}", ailhd::merge::summary(&report));
             }
@@ -218,7 +218,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 ailhd::status::write_png(&s, &r, out)?;
             }
             if *json {
-                println!("{}", serde_json::to_string_pretty(&r)?);
+                println!("{}", ailhd::json::render(&r)?);
             } else {
                 print!("{}", ailhd::status::render(&r));
                 if let Some(out) = png {
@@ -234,7 +234,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 ailhd::inspect::write_png(&s, &found, out)?;
             }
             if *json {
-                println!("{}", serde_json::to_string_pretty(&found.info)?);
+                println!("{}", ailhd::json::render(&found.info)?);
             } else {
                 print!("{}", ailhd::inspect::render(&found.info));
                 if let Some(out) = png {

@@ -1,4 +1,4 @@
-//! Shards of a recording tree for `rebuild --shard I/N` (README, "Beyond one machine"): which
+//! Shards of a recording tree for `rebuild --shard I/N` (docs/scale-out.md): which
 //! recordings shard I of N owns, decided from the content hash alone, so that a recording's
 //! shard never changes (whatever else is in the tree, on whichever machine) and N shards split
 //! any tree evenly.

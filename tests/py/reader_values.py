@@ -309,7 +309,7 @@ def copy_rewritten(src, dst, libver=("v110", "v110")):
     """src's datasets, rewritten by h5py with the same chunks but no file-space alignment (as
     other writers, and ailhd before it aligned its chunks, lay them out), in the file format of
     `libver` ("earliest": HDF5's oldest, whose chunk index is a B-tree)."""
-    with h5py.File(src, "r", libver="latest", swmr=True, locking=False) as f, h5py.File(
+    with h5py.File(src, "r", libver="latest", swmr=True) as f, h5py.File(
             dst, "w", libver=libver) as g:
         for name, d in f.items():
             if d.chunks is None:
@@ -336,7 +336,7 @@ def unaligned_hdf5(out, scratch, rng):
 
 
 def chunk_iter_addresses(path):
-    with h5py.File(path, "r", libver="latest", swmr=True, locking=False) as f:
+    with h5py.File(path, "r", libver="latest", swmr=True) as f:
         mel = f["segments_mel"]
         cr = mel.chunks[0]
         found = {}
@@ -408,7 +408,7 @@ def appended_chunks(out, scratch, rng):
             x.resize(at + 35000, axis=0)
             x[at:] = rng.normal(0, 1, (35000, 2))
     truth = chunk_iter_addresses(path)
-    with h5py.File(path, "r", libver="latest", swmr=True, locking=False) as f:
+    with h5py.File(path, "r", libver="latest", swmr=True) as f:
         fd = os.open(path, os.O_RDONLY)
         try:
             index = _EaIndex(fd, h5py.h5o.get_info(f["segments_mel"].id).addr)
