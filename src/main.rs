@@ -104,6 +104,19 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print the shell's completion script (the Debian package installs those of bash, zsh and
+    /// fish); e.g. `ailhd completions bash > ~/.local/share/bash-completion/completions/ailhd`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write the man pages (ailhd.1, ailhd-COMMAND.1: roff) into DIR, as the Debian package
+    /// installs them.
+    #[command(hide = true)]
+    Man {
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+    },
 }
 
 /// Failures that are the user's input rather than the run (exit 2).
@@ -266,6 +279,20 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 ))
                 .into()),
             }
+        }
+        // Generated from the command line itself (clap_complete, clap_mangen), so they always
+        // match it; packaging/ holds copies for the .deb (tests/package.rs keeps them current).
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            let mut out = std::io::stdout().lock();
+            clap_complete::generate(*shell, &mut Cli::command(), "ailhd", &mut out);
+            Ok(())
+        }
+        Command::Man { dir } => {
+            use clap::CommandFactory;
+            std::fs::create_dir_all(dir)?;
+            clap_mangen::generate_to(Cli::command(), dir)?;
+            Ok(())
         }
         Command::Run => {
             let s = load_settings(&cli)?;
