@@ -95,7 +95,9 @@ def npy_set_rows(path, rows):
 
 def in_child(fn, *args):
     """Run fn(*args) in another process: HDF5 lets no process write a file it holds open for
-    reading, and the writer is another process anyway."""
+    reading, and the writer is another process anyway. The writers here stand in for ailhd and
+    open the files as it does, without file locking: the readers hold shared locks (h5py's
+    default, as the README's snippet opens the files)."""
     p = mp.get_context("spawn").Process(target=fn, args=args)
     p.start()
     p.join()
@@ -104,7 +106,7 @@ def in_child(fn, *args):
 
 
 def h5_append_ghosts(path):
-    with h5py.File(path, "r+") as f:
+    with h5py.File(path, "r+", locking=False) as f:
         n = int(f["committed_rows"][0])
         for name, ds in f.items():
             if name == "committed_rows":
@@ -119,13 +121,13 @@ def h5_append_ghosts(path):
 
 
 def h5_invalidate(path, rows):
-    with h5py.File(path, "r+") as f:
+    with h5py.File(path, "r+", locking=False) as f:
         for r in rows:
             f["valid"][r] = 0
 
 
 def h5_commit(path, n):
-    with h5py.File(path, "r+") as f:
+    with h5py.File(path, "r+", locking=False) as f:
         f["committed_rows"][0] = n
 
 
@@ -348,7 +350,7 @@ def h5_append_rows(path, counts, seed):
     """Rows of distinct values appended to every dataset and committed, `counts` at a time (each
     a commit of its own: the chunk index, and the chunks of the other datasets, grow between)."""
     rng = np.random.default_rng(seed)
-    with h5py.File(path, "r+") as f:
+    with h5py.File(path, "r+", locking=False) as f:
         for count in counts:
             n = int(f["committed_rows"][0])
             for name, ds in f.items():
