@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Sharded rebuild + merge against one rebuild of the same tree, on this machine (README,
-# "Beyond one machine"). Prints wall times (best of ROUNDS), the bytes each process read
-# (rchar of /proc/<pid>/io: every read(2), page cache or not) against the tree's bytes, and
-# the merged files' size.
+# Sharded rebuild + merge against one rebuild of the same tree, on this machine
+# (docs/scale-out.md). Prints wall times (best of ROUNDS), the bytes each process read (rchar of
+# /proc/<pid>/io: every read(2), page cache or not) against the tree's bytes, and the merged
+# files' size.
 #   usage: benches/shard_merge.sh AILHD_BIN RECORDINGS [SHARDS=4] [ROUNDS=3]
 # Make a tree with e.g. `python3 tools/make_dataset.py REC 5000` or `ailhd demo`.
 set -euo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a sharded rebuild, for any scheduler that runs one command per partition
-# (README, "Beyond one machine"). Paths and counts are the only parameters.
+# (docs/scale-out.md). Paths and counts are the only parameters.
 #
 #   run-shard.sh shard RECORDINGS WORK [SHARDS]
 #       Rebuild the shard this task owns (the recordings whose paths fall in it; it reads no

@@ -494,6 +494,8 @@ struct Worker {
     ingested: u64,
     /// The manifest's part of the last snapshot (kept while the engine is closed).
     last_report: status::StatusReport,
+    /// The label names as of the last snapshot (every one gets an `ailhd_rows` series).
+    labels: Vec<String>,
     dirty: bool,
     last_snapshot: Instant,
     snapshot_cost: Duration,
@@ -762,16 +764,18 @@ impl Worker {
                 Ok(r) => self.last_report = r,
                 Err(e) => log::warn!("cannot read the manifest for the status snapshot: {e:#}"),
             }
+            self.labels = engine.labels().to_vec();
             for (stage, secs) in engine.times().seconds() {
                 crate::metrics::stage_seconds(stage, secs);
             }
         }
         let mut r = self.last_report.clone();
-        crate::metrics::record_status(&r);
+        crate::metrics::record_status(&r, &self.labels);
         let shared = &self.shared;
         let queue = shared.settling.load(Ordering::Relaxed) + shared.queued.load(Ordering::Relaxed);
         crate::metrics::pending(shared.settling.load(Ordering::Relaxed));
         crate::metrics::queue_depth(queue);
+        crate::metrics::ready();
         r.service = Some(ServiceStatus {
             pid: std::process::id(),
             device: self.device.clone(),
@@ -787,6 +791,7 @@ impl Worker {
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
             updated_ms: now_ms(),
+            age_s: 0.0,
             outputs_open: self.engine.is_some(),
             unwatched: shared
                 .unwatched
@@ -844,6 +849,7 @@ fn worker_loop(
     report: mpsc::UnboundedSender<Report>,
     shared: Arc<Shared>,
 ) -> anyhow::Result<()> {
+    let labels = settings.labels.names.clone();
     let mut w = Worker {
         device: engine
             .as_ref()
@@ -867,6 +873,7 @@ fn worker_loop(
         },
         ingested: 0,
         last_report: status::StatusReport::default(),
+        labels,
         dirty: true,
         last_snapshot: Instant::now() - Duration::from_secs(3600),
         snapshot_cost: Duration::ZERO,

@@ -118,7 +118,7 @@ pub fn run_doctor(settings: &FeatureSettings, gpu: &Gpu, json: bool) -> anyhow::
     if json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&report).context("writing the report as JSON")?
+            crate::json::render(&report).context("writing the report as JSON")?
         );
     } else {
         print!("{}", render(&report));

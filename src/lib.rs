@@ -28,7 +28,8 @@
 //!   [`merge`] (one set of outputs over several, as virtual datasets), whose
 //!   [`ownership`] settles shared bytes across shards and refuses incomplete or mixed sets.
 //!
-//! Around them: [`config`], [`lock`] (one writer), [`migrate`] (schema versions), [`logging`].
+//! Around them: [`config`], [`lock`] (one writer), [`migrate`] (schema versions), [`logging`],
+//! [`json`] (what `--json` prints).
 pub mod config;
 pub mod daemon;
 pub mod decode;
@@ -39,6 +40,7 @@ pub mod engine;
 pub mod features;
 pub mod identity;
 pub mod inspect;
+pub mod json;
 pub mod lock;
 pub mod logging;
 pub mod merge;

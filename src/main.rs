@@ -105,6 +105,19 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print the shell's completion script (the Debian package installs those of bash, zsh and
+    /// fish); e.g. `ailhd completions bash > ~/.local/share/bash-completion/completions/ailhd`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write the man pages (ailhd.1, ailhd-COMMAND.1: roff) into DIR, as the Debian package
+    /// installs them.
+    #[command(hide = true)]
+    Man {
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+    },
 }
 
 /// Failures that are the user's input rather than the run (exit 2).
@@ -187,7 +200,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             };
             let report = ailhd::rebuild::rebuild_shard(&s, dev, &ui, shard)?;
             if *json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
+                println!("{}", ailhd::json::render(&report)?);
             } else {
                 print!("{}", ailhd::rebuild::summary(&s, &report));
             }
@@ -208,7 +221,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                     }
                 })?;
             if *json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
+                println!("{}", ailhd::json::render(&report)?);
             } else {
                 print!("{}", ailhd::merge::summary(&report));
             }
@@ -221,7 +234,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 ailhd::status::write_png(&s, &r, out)?;
             }
             if *json {
-                println!("{}", serde_json::to_string_pretty(&r)?);
+                println!("{}", ailhd::json::render(&r)?);
             } else {
                 print!("{}", ailhd::status::render(&r));
                 if let Some(out) = png {
@@ -237,7 +250,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 ailhd::inspect::write_png(&s, &found, out)?;
             }
             if *json {
-                println!("{}", serde_json::to_string_pretty(&found.info)?);
+                println!("{}", ailhd::json::render(&found.info)?);
             } else {
                 print!("{}", ailhd::inspect::render(&found.info));
                 if let Some(out) = png {
@@ -269,6 +282,20 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 ))
                 .into()),
             }
+        }
+        // Generated from the command line itself (clap_complete, clap_mangen), so they always
+        // match it; packaging/ holds copies for the .deb (tests/package.rs keeps them current).
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            let mut out = std::io::stdout().lock();
+            clap_complete::generate(*shell, &mut Cli::command(), "ailhd", &mut out);
+            Ok(())
+        }
+        Command::Man { dir } => {
+            use clap::CommandFactory;
+            std::fs::create_dir_all(dir)?;
+            clap_mangen::generate_to(Cli::command(), dir)?;
+            Ok(())
         }
         Command::Run => {
             let s = load_settings(&cli)?;

@@ -1,6 +1,5 @@
 //! `ailhd merge DIR... --into OUT`: one set of outputs over several (the shards of a sharded
-//! rebuild, or the outputs of several acquisition hosts), without copying features (README,
-//! "Beyond one machine").
+//! rebuild, or the outputs of several acquisition hosts), without copying features (docs/scale-out.md).
 //!
 //! Per split, OUT holds an HDF5 file of the usual name whose row datasets are HDF5 virtual
 //! datasets (VDS, HDF5 1.10+): input after input in argument order, each input's committed rows
@@ -83,6 +82,7 @@ pub struct MergeReport {
 pub struct InputReport {
     pub dir: PathBuf,
     /// Committed rows per split, as merged.
+    #[serde(serialize_with = "crate::json::per_split")]
     pub rows: [u64; 3],
     /// Whether this input's label ids were remapped to the merged list.
     pub labels_remapped: bool,
@@ -383,7 +383,11 @@ fn file_rows<'a>(src: &'a Source, ids: &'a [i16]) -> ownership::FileRows<'a> {
 
 /// A label conflict in `status`'s words.
 fn conflict_line(c: &crate::status::LabelConflict) -> String {
-    let paths: Vec<String> = c.paths.iter().map(|(p, l)| format!("{p} ({l})")).collect();
+    let paths: Vec<String> = c
+        .paths
+        .iter()
+        .map(|p| format!("{} ({})", p.path, p.label))
+        .collect();
     format!(
         "same bytes under {} (the first owns the row)",
         paths.join(", ")

@@ -1,8 +1,13 @@
-//! Metrics in the Prometheus text format (README, "Metrics"): the engine records through the
-//! narrow functions below; `[metrics] textfile` rewrites a `*.prom` file atomically for
-//! node_exporter's textfile collector, `[metrics] listen` serves `GET /metrics` over HTTP.
+//! Metrics in the Prometheus text format (docs/operations.md, "Metrics"): the engine records
+//! through the narrow functions below; `[metrics] textfile` rewrites a `*.prom` file atomically
+//! for node_exporter's textfile collector, `[metrics] listen` serves `GET /metrics` over HTTP.
 //! Both are off by default and then nothing is recorded at all (the functions are no-ops until
 //! [`Exporter::start`] installs the recorder).
+//!
+//! Every documented family is there from the first scrape and the first textfile: counters,
+//! their known label values and the histogram start at zero ([`zero_families`]), and neither
+//! exporter shows anything until the service has recorded the manifest's figures once
+//! ([`ready`]), so an alert on `ailhd_write_failing` or a `rate()` never meets a missing series.
 //!
 //! Recording goes through the `metrics` facade; `metrics-exporter-prometheus` keeps the values
 //! and renders the classic text format (version 0.0.4), the one node_exporter's textfile
@@ -18,6 +23,32 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Set once the service has recorded its first figures: the exporters wait for it (at most
+/// [`READY_WAIT`]) before the first textfile and the first answer to a scrape.
+static READY: AtomicBool = AtomicBool::new(false);
+
+/// How long the exporters wait for [`ready`] before they show what they have.
+const READY_WAIT: Duration = Duration::from_secs(10);
+
+/// The label values of `ailhd_files_quarantined_total{reason}` ([`reason_kind`]'s kinds).
+pub const QUARANTINE_KINDS: [&str; 12] = [
+    "not_wav",
+    "truncated",
+    "empty",
+    "unsupported",
+    "malformed",
+    "incomplete",
+    "label",
+    "path_too_long",
+    "path_not_utf8",
+    "symlink",
+    "stopped_while_reading",
+    "other",
+];
+
+/// The label values of `ailhd_errors_total{kind}`.
+pub const ERROR_KINDS: [&str; 3] = ["write", "featurise", "rescan"];
 
 /// How often the textfile is rewritten (node_exporter reads it at each scrape).
 pub const TEXTFILE_INTERVAL: Duration = Duration::from_secs(5);
@@ -213,19 +244,76 @@ pub fn reload(accepted: bool) {
     }
 }
 
-/// Figures that come from a status report: files per state, rows per split and label.
-pub fn record_status(r: &StatusReport) {
+/// Figures that come from a status report: files per state, rows per split and label. Every
+/// state, split and label in `labels` gets a value, 0 when the report has none (so a label
+/// whose last valid row went away reads 0, not its old count).
+pub fn record_status(r: &StatusReport, labels: &[String]) {
     if !enabled() {
         return;
     }
-    for (state, n) in &r.files {
-        ::metrics::gauge!("ailhd_files", "state" => state.clone()).set(*n as f64);
+    for state in ["committed", "quarantined"] {
+        let n = r.files.get(state).copied().unwrap_or(0);
+        ::metrics::gauge!("ailhd_files", "state" => state).set(n as f64);
     }
-    for (split, sr) in &r.splits {
-        ::metrics::gauge!("ailhd_split_rows", "split" => split.clone()).set(sr.rows as f64);
-        for (label, n) in &sr.per_label {
-            rows(split, label, *n);
+    for split in crate::config::SPLITS {
+        let sr = r.splits.get(split);
+        let total = sr.map_or(0, |sr| sr.rows);
+        ::metrics::gauge!("ailhd_split_rows", "split" => split).set(total as f64);
+        let named = sr.map(|sr| &sr.per_label);
+        let known = labels
+            .iter()
+            .chain(named.into_iter().flat_map(|m| m.keys()));
+        for label in known {
+            let n = named.and_then(|m| m.get(label)).copied().unwrap_or(0);
+            rows(split, label, n);
         }
+    }
+}
+
+/// The service has recorded its first figures (the manifest's): the exporters show them.
+pub fn ready() {
+    READY.store(true, Ordering::Relaxed);
+}
+
+/// Wait (in small steps) until [`ready`], `stop`, or [`READY_WAIT`]; true when asked to stop.
+fn wait_ready(stop: &AtomicBool) -> bool {
+    let t = std::time::Instant::now();
+    while !READY.load(Ordering::Relaxed) && t.elapsed() < READY_WAIT {
+        if stop.load(Ordering::Relaxed) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop.load(Ordering::Relaxed)
+}
+
+/// Every family whose series otherwise appear only at their first event, at zero: counters
+/// with each known label value, the latency histogram (empty), the gauges of the service's
+/// state, and the stage times.
+fn zero_families() {
+    ::metrics::counter!("ailhd_files_ingested_total").absolute(0);
+    for kind in QUARANTINE_KINDS {
+        ::metrics::counter!("ailhd_files_quarantined_total", "reason" => kind).absolute(0);
+    }
+    for kind in ERROR_KINDS {
+        ::metrics::counter!("ailhd_errors_total", "kind" => kind).absolute(0);
+    }
+    for result in ["accepted", "refused"] {
+        ::metrics::counter!("ailhd_config_reloads_total", "result" => result).absolute(0);
+    }
+    // Registered without a sample: rendered with every bucket at 0.
+    let _ = ::metrics::histogram!("ailhd_commit_latency_seconds");
+    for name in [
+        "ailhd_files_pending",
+        "ailhd_queue_depth",
+        "ailhd_write_failing",
+        "ailhd_unwatched_folders",
+        "ailhd_outputs_open",
+    ] {
+        ::metrics::gauge!(name).set(0.0);
+    }
+    for (stage, _) in crate::engine::stages::StageTimes::default().seconds() {
+        ::metrics::gauge!("ailhd_stage_seconds", "stage" => stage).set(0.0);
     }
 }
 
@@ -308,6 +396,7 @@ impl Exporter {
             return Ok(None);
         }
         let h = handle();
+        zero_families();
         ::metrics::gauge!("ailhd_up").set(1.0);
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -338,10 +427,10 @@ impl Exporter {
             log::info!("metrics: serving http://{addr}/metrics");
         }
         // The textfile writer also does the recorder's upkeep (histogram bookkeeping), which an
-        // endpoint nobody scrapes would otherwise never run.
+        // endpoint nobody scrapes would otherwise never run. The first file is written once the
+        // service is ready (its folder was checked with the configuration: `check_paths`).
         let textfile = settings.textfile.clone();
         if let Some(p) = &textfile {
-            write_atomically(p, &h.render())?;
             log::info!(
                 "metrics: writing {} every {TEXTFILE_INTERVAL:?}",
                 p.display()
@@ -352,7 +441,8 @@ impl Exporter {
                 .name("ailhd-metrics-file".into())
                 .spawn(move || {
                     let mut last_error = false;
-                    while !sleep_unless_stopped(&stop, TEXTFILE_INTERVAL) {
+                    let mut stopped = wait_ready(&stop);
+                    while !stopped {
                         h.run_upkeep();
                         if let Some(p) = &textfile {
                             match write_atomically(p, &h.render()) {
@@ -364,6 +454,7 @@ impl Exporter {
                                 Err(_) => {}
                             }
                         }
+                        stopped = sleep_unless_stopped(&stop, TEXTFILE_INTERVAL);
                     }
                 })?,
         );
@@ -413,6 +504,10 @@ fn sleep_unless_stopped(stop: &AtomicBool, d: Duration) -> bool {
 }
 
 fn serve_http(server: &tiny_http::Server, stop: &AtomicBool) {
+    // Scrapes that come before the first figures wait for them (queued by tiny_http).
+    if wait_ready(stop) {
+        return;
+    }
     while !stop.load(Ordering::Relaxed) {
         let req = match server.recv_timeout(Duration::from_millis(500)) {
             Ok(Some(r)) => r,
@@ -453,6 +548,22 @@ mod tests {
             listen: Some("127.0.0.1:0".into()),
         };
         let ex = Exporter::start(&settings).unwrap().unwrap();
+        // Before the first event: every family, at zero.
+        let zero = render();
+        for want in [
+            "ailhd_files_ingested_total 0",
+            "ailhd_files_quarantined_total{reason=\"stopped_while_reading\"} 0",
+            "ailhd_errors_total{kind=\"write\"} 0",
+            "ailhd_config_reloads_total{result=\"accepted\"} 0",
+            "ailhd_commit_latency_seconds_count 0",
+            "ailhd_commit_latency_seconds_bucket{le=\"+Inf\"} 0",
+            "ailhd_write_failing 0",
+            "ailhd_unwatched_folders 0",
+            "ailhd_stage_seconds{stage=\"featurise\"} 0",
+        ] {
+            assert!(zero.contains(want), "missing {want:?} in:\n{zero}");
+        }
+        ready();
         file_ingested(3);
         file_quarantined("not a WAV file (no RIFF/WAVE header)");
         file_quarantined("truncated: data chunk declares 100 bytes but only 10 are present");
@@ -584,6 +695,10 @@ mod tests {
             ),
         ] {
             assert_eq!(reason_kind(reason), kind, "{reason}");
+            assert!(
+                QUARANTINE_KINDS.contains(&kind),
+                "{kind} is exported at zero"
+            );
         }
     }
 }

@@ -323,7 +323,10 @@ fn conflict(
     }
     Some(LabelConflict {
         blake3: crate::identity::hex(hash),
-        paths: paths.into_iter().map(|((_, _, p), l)| (p, l)).collect(),
+        paths: paths
+            .into_iter()
+            .map(|((_, _, path), label)| crate::status::LabelledPath { path, label })
+            .collect(),
     })
 }
 
@@ -497,13 +500,16 @@ mod tests {
         assert_eq!(s.valid[0], [0, 1, 1], "LEAK/a.wav (shard 1) owns x");
         assert_eq!(s.duplicates, 1);
         assert_eq!(s.conflicts.len(), 1);
-        let want: Vec<(String, String)> = [
+        let want: Vec<crate::status::LabelledPath> = [
             ("LEAK/a.wav", "LEAK"),
             ("NORMAL/b.wav", "NORMAL"),
             ("NORMAL/c.wav", "NORMAL"),
         ]
         .iter()
-        .map(|(p, l)| (p.to_string(), l.to_string()))
+        .map(|(p, l)| crate::status::LabelledPath {
+            path: p.to_string(),
+            label: l.to_string(),
+        })
         .collect();
         assert_eq!(s.conflicts[0].paths, want);
         // The same files as outputs of two hosts: the first input keeps x.
@@ -512,7 +518,10 @@ mod tests {
         assert_eq!(s.valid[0], [1, 0, 1]);
         assert_eq!(
             s.conflicts[0].paths[0],
-            ("NORMAL/b.wav".into(), "NORMAL".into())
+            crate::status::LabelledPath {
+                path: "NORMAL/b.wav".into(),
+                label: "NORMAL".into()
+            }
         );
     }
 }

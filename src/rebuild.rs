@@ -14,19 +14,26 @@ use crate::source::{self, Found};
 use crate::staging;
 use std::time::{Duration, Instant};
 
+/// What `rebuild` did; `--json` prints it (docs/json.md: units in the names, per-split and
+/// per-stage figures as objects).
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct RebuildReport {
     pub files: usize,
+    #[serde(serialize_with = "crate::json::per_split")]
     pub rows: [u64; 3],
     pub duplicates: usize,
+    #[serde(serialize_with = "crate::json::path_reasons")]
     pub quarantined: Vec<(String, String)>,
     pub device: String,
+    #[serde(rename = "elapsed_s", serialize_with = "crate::json::seconds")]
     pub elapsed: Duration,
     /// Thread-seconds per stage (summed over the threads that run it).
+    #[serde(rename = "stages_s", serialize_with = "crate::json::keyed")]
     pub stages: Vec<(&'static str, f64)>,
     /// Wall-clock seconds of the run's phases: start (lock, scan, featuriser, staging
     /// outputs), ingest (first batch submitted to last batch durable), close (outputs and
     /// manifest closed and synced), swap.
+    #[serde(rename = "phases_s", serialize_with = "crate::json::keyed")]
     pub phases: Vec<(&'static str, f64)>,
     pub labels: Vec<String>,
     pub rows_per_label: Vec<u64>,

@@ -1,4 +1,4 @@
-//! Shards of a recording tree for `rebuild --shard I/N` (README, "Beyond one machine"): which
+//! Shards of a recording tree for `rebuild --shard I/N` (docs/scale-out.md): which
 //! recordings shard I of N owns, decided from the recording's path alone (no byte of the file
 //! is read to decide), so that each shard lists the tree and reads only its own files, and a
 //! path's shard never changes (whatever else is in the tree, on whichever machine).

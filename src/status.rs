@@ -1,7 +1,8 @@
 //! `ailhd status`: files per state, rows per split and label, quarantined files with reasons,
 //! and (while the service runs) its queue depth, ingest latency and last errors. The manifest
 //! can only be opened by one process, so while `run` holds it, `status` reads the snapshot the
-//! service keeps in `<state>/status.json`.
+//! service keeps in `<state>/status.json` and says how old it is (`service.age_s`). The
+//! `--json` schema: docs/json.md.
 
 use crate::config::{Settings, SPLITS};
 use crate::engine::manifest::Manifest;
@@ -41,7 +42,12 @@ pub struct ServiceStatus {
     /// Files waiting to be complete (at most 200, oldest first).
     #[serde(default)]
     pub pending: Vec<PendingFile>,
+    /// When the service wrote these figures, Unix milliseconds.
     pub updated_ms: i64,
+    /// Seconds from `updated_ms` to the moment `status` read them (the figures of a running
+    /// service are a snapshot, rewritten at most every 2 s while recordings arrive).
+    #[serde(default)]
+    pub age_s: f64,
     /// False while the files are closed (idle for `ingest.idle_close_s`, or writing fails).
     #[serde(default)]
     pub outputs_open: bool,
@@ -75,8 +81,14 @@ pub struct WriteFailing {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct LabelConflict {
     pub blake3: String,
-    /// (path, label folder) of every path holding the bytes; the first owns the row.
-    pub paths: Vec<(String, String)>,
+    /// Every path holding the bytes, with its label folder; the first owns the row.
+    pub paths: Vec<LabelledPath>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct LabelledPath {
+    pub path: String,
+    pub label: String,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -155,9 +167,7 @@ pub fn collect(
         ("committed", summary.committed),
         ("quarantined", summary.quarantined),
     ] {
-        if n > 0 {
-            r.files.insert(state.to_string(), n);
-        }
+        r.files.insert(state.to_string(), n);
     }
     for item in manifest.quarantined() {
         let (path, reason) = item?;
@@ -165,15 +175,17 @@ pub fn collect(
     }
     for item in manifest.shared_contents() {
         let (hash, c) = item?;
-        let folders: Vec<(String, String)> = c
+        let folders: Vec<LabelledPath> = c
             .paths
             .iter()
-            .map(|p| {
-                let f = crate::identity::label_folder(settings, p).unwrap_or("");
-                (p.clone(), f.to_string())
+            .map(|p| LabelledPath {
+                path: p.clone(),
+                label: crate::identity::label_folder(settings, p)
+                    .unwrap_or("")
+                    .to_string(),
             })
             .collect();
-        if folders.iter().any(|(_, f)| *f != folders[0].1) {
+        if folders.iter().any(|f| f.label != folders[0].label) {
             r.label_conflicts.push(LabelConflict {
                 blake3: crate::identity::hex(&hash),
                 paths: folders,
@@ -214,6 +226,10 @@ pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
         let mut r =
             read_snapshot(settings).with_context(|| format!("{holder} holds the manifest"))?;
         r.writer = Some(holder);
+        if let Some(svc) = r.service.as_mut() {
+            let age_ms = crate::engine::manifest::now_ms() - svc.updated_ms;
+            svc.age_s = age_ms.max(0) as f64 / 1e3;
+        }
         return Ok(r);
     }
     let dir = crate::staging::manifest_dir(settings);
@@ -340,14 +356,16 @@ pub fn render(r: &StatusReport) -> String {
         };
         let _ = writeln!(
             s,
-            "service: pid {} on {}, queue {}, ingested {}, latency p50 {} p90 {} p99 {}",
+            "service: pid {} on {}, queue {}, ingested {}, latency p50 {} p90 {} p99 {} \
+             (figures of {:.1} s ago)",
             svc.pid,
             svc.device,
             svc.queue_depth,
             svc.ingested,
             ms(svc.latency_ms_p50),
             ms(svc.latency_ms_p90),
-            ms(svc.latency_ms_p99)
+            ms(svc.latency_ms_p99),
+            svc.age_s
         );
         if let Some(f) = &svc.write_failing {
             let _ = writeln!(
@@ -414,7 +432,11 @@ pub fn render(r: &StatusReport) -> String {
     }
     let _ = writeln!(s, "label conflicts: {}", r.label_conflicts.len());
     for c in &r.label_conflicts {
-        let paths: Vec<String> = c.paths.iter().map(|(p, l)| format!("{p} ({l})")).collect();
+        let paths: Vec<String> = c
+            .paths
+            .iter()
+            .map(|p| format!("{} ({})", p.path, p.label))
+            .collect();
         let _ = writeln!(
             s,
             "  same bytes under {} (the first owns the row)",

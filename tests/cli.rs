@@ -225,3 +225,108 @@ fn one_writer_at_a_time() {
         "{err}"
     );
 }
+
+/// Every command's `--json` starts with `schema_version`, carries plain units (seconds as
+/// `*_s` numbers, per-split and per-stage figures as objects, files as objects), and names no
+/// field that docs/json.md does not document in that command's section; `status` of a
+/// running service says how old its figures are.
+#[test]
+fn json_output_is_documented_and_in_plain_units() {
+    let world = World::new("[ingest]\ndevice = \"cpu\"\nsettle_ms = 100\n");
+    let written = ailhd::synth::write_tree(&world.rec(), &["LEAK", "NORMAL"], 6, 3).unwrap();
+    // A label conflict (the same bytes under two labels) and a quarantined file.
+    let other = if written[0].starts_with(world.rec().join("LEAK")) {
+        "NORMAL"
+    } else {
+        "LEAK"
+    };
+    std::fs::copy(&written[0], world.rec().join(other).join("copy.wav")).unwrap();
+    std::fs::write(world.rec().join("LEAK/broken.wav"), b"RIFF....WAVE").unwrap();
+    let json = |args: &[&str]| -> serde_json::Value {
+        let text = ok(&world.run(args));
+        assert!(
+            text.starts_with("{\n  \"schema_version\": 1,"),
+            "{args:?}: {text}"
+        );
+        serde_json::from_str(&text).unwrap()
+    };
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/json.md"),
+    )
+    .unwrap();
+    let documented = |command: &str, v: &serde_json::Value| {
+        let start = doc
+            .find(&format!("## `{command}"))
+            .unwrap_or_else(|| panic!("docs/json.md has no section for {command}"));
+        let section = &doc[start..];
+        let section = &section[..section[3..].find("\n## ").map_or(section.len(), |e| e + 3)];
+        for key in v.as_object().unwrap().keys() {
+            assert!(
+                section.contains(&format!("`{key}`")),
+                "{command} --json prints {key:?}, which docs/json.md does not document"
+            );
+        }
+    };
+
+    let rebuild = json(&["rebuild", "--json"]);
+    documented("rebuild", &rebuild);
+    assert!(rebuild["elapsed_s"].as_f64().unwrap() > 0.0, "{rebuild}");
+    assert!(rebuild["stages_s"]["featurise"].is_number(), "{rebuild}");
+    assert!(rebuild["phases_s"]["swap"].is_number(), "{rebuild}");
+    let rows = &rebuild["rows"];
+    let total: u64 = ["training", "validation", "testing"]
+        .iter()
+        .map(|s| rows[s].as_u64().unwrap())
+        .sum();
+    assert_eq!(total, written.len() as u64, "{rebuild}");
+    assert!(
+        rebuild["quarantined"][0]["path"]
+            .as_str()
+            .unwrap()
+            .ends_with("broken.wav"),
+        "{rebuild}"
+    );
+
+    let status = json(&["status", "--json"]);
+    documented("status", &status);
+    assert_eq!(status["files"]["quarantined"], 1, "{status}");
+    assert!(status["service"].is_null(), "{status}");
+    let conflict = &status["label_conflicts"][0]["paths"];
+    assert!(
+        conflict[0]["path"].is_string() && conflict[1]["label"].is_string(),
+        "{status}"
+    );
+
+    let merged = world.dir.path().join("merged");
+    let out = world.out();
+    let merge = json(&[
+        "merge",
+        out.to_str().unwrap(),
+        "--into",
+        merged.to_str().unwrap(),
+        "--json",
+    ]);
+    documented("merge", &merge);
+    assert!(merge["inputs"][0]["rows"]["training"].is_u64(), "{merge}");
+
+    let doctor = json(&["doctor", "--json"]);
+    documented("doctor", &doctor);
+    let inspect = json(&["inspect", written[1].to_str().unwrap(), "--json"]);
+    documented("inspect", &inspect);
+
+    // A running service: its figures, and how old they are.
+    let svc = common::service::Service::start(&world);
+    let status = json(&["status", "--json"]);
+    documented("status", &status);
+    let service = &status["service"];
+    let doc_service = &doc[doc.find("`service`, while").unwrap()..];
+    for key in service.as_object().unwrap().keys() {
+        assert!(
+            doc_service.contains(&format!("`{key}`")),
+            "status --json prints service.{key}, which docs/json.md does not document"
+        );
+    }
+    let age = service["age_s"].as_f64().unwrap();
+    assert!((0.0..60.0).contains(&age), "{status}");
+    svc.terminate();
+}

@@ -202,7 +202,7 @@ fn sigkill_at_random_instants_loses_and_duplicates_nothing() {
     compare_with_rebuild(&world);
 }
 
-/// The rules of identity while the service runs (README, "Identity, labels, splits"), each
+/// The rules of identity while the service runs (docs/design.md, "Identity, labels, splits"), each
 /// checked against a rebuild of the same tree: shared bytes are owned by the smallest path and
 /// handed back when it goes; a label folder moved into another label keeps its rows with new
 /// paths and labels; symbolic links are not followed; a non-UTF-8 name and complete but

@@ -187,7 +187,7 @@ fn conflicts(list: &serde_json::Value) -> Vec<Vec<(String, String)>> {
         serde_json::from_value::<Vec<ailhd::status::LabelConflict>>(list.clone())
             .unwrap()
             .into_iter()
-            .map(|c| c.paths)
+            .map(|c| c.paths.into_iter().map(|p| (p.path, p.label)).collect())
             .collect();
     out.sort();
     out

@@ -285,3 +285,129 @@ fn the_service_keeps_a_prometheus_textfile() {
     svc.terminate();
     assert!(has(&["ailhd_up 0", "ailhd_files_ingested_total 6"]));
 }
+
+/// The metric families docs/operations.md documents (its table's first column).
+fn documented_families() -> Vec<String> {
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/operations.md"))
+            .unwrap();
+    let mut names = Vec::new();
+    for line in doc.lines().filter(|l| l.starts_with("| `ailhd_")) {
+        let cell = line.split('|').nth(1).unwrap();
+        for (i, part) in cell.split('`').enumerate() {
+            if i % 2 == 1 {
+                names.push(part.split('{').next().unwrap().to_string());
+            }
+        }
+    }
+    assert!(names.len() >= 15, "metrics table not found: {names:?}");
+    names
+}
+
+/// `promtool check metrics` on `text`, where promtool is installed; else says it skipped.
+fn promtool_check(what: &str, text: &str) {
+    use std::io::Write;
+    let child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let Ok(mut child) = child else {
+        println!(
+            "SKIPPED promtool check of {what}: promtool not found (Debian's prometheus package \
+             has it; .ci/setup puts it on PATH)"
+        );
+        return;
+    };
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(
+        o.status.success(),
+        "promtool check metrics of {what}:\n{}{}\n{text}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    println!("promtool check metrics of {what}: clean");
+}
+
+/// Every documented family is in the first answer to a scrape of `/metrics` and in the first
+/// textfile, before any event (counters at 0, an empty histogram), and both pass promtool.
+#[test]
+fn every_documented_metric_family_is_there_from_the_first_scrape() {
+    let dir = tempfile::tempdir().unwrap();
+    let prom = dir.path().join("ailhd.prom");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let world = World::new(&format!(
+        "{FAST}[metrics]\ntextfile = {prom:?}\nlisten = \"127.0.0.1:{port}\"\n"
+    ));
+    add_recordings(&world, 3);
+    ok(&world.run(&["rebuild"]));
+    let svc = Service::spawn(&world);
+    // The first scrape: as soon as the port takes a connection.
+    let t = Instant::now();
+    let scrape = loop {
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            use std::io::{Read, Write};
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            write!(
+                s,
+                "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
+            .unwrap();
+            let mut page = String::new();
+            s.read_to_string(&mut page).unwrap();
+            assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+            break page[page.find("\r\n\r\n").unwrap() + 4..].to_string();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "no endpoint; log:\n{}",
+            svc.log()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    // The first textfile: as soon as it is there (it is replaced whole, never written in place).
+    let first_file = loop {
+        if let Ok(text) = std::fs::read_to_string(&prom) {
+            break text;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "no textfile; log:\n{}",
+            svc.log()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    for (what, text) in [
+        ("the first scrape", &scrape),
+        ("the first textfile", &first_file),
+    ] {
+        for family in documented_families() {
+            assert!(
+                text.contains(&format!("# TYPE {family} ")),
+                "{what} lacks {family}:\n{text}"
+            );
+        }
+        for zero in [
+            "ailhd_files_ingested_total 0",
+            "ailhd_write_failing 0",
+            "ailhd_commit_latency_seconds_count 0",
+            "ailhd_errors_total{kind=\"write\"} 0",
+            "ailhd_files{state=\"committed\"} 3",
+        ] {
+            assert!(text.contains(zero), "{what} lacks {zero:?}:\n{text}");
+        }
+        promtool_check(what, text);
+    }
+    svc.terminate();
+}

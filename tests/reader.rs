@@ -4,7 +4,8 @@
 //! moves, stops and restarts; the feature rows of files `rebuild` wrote and the service then
 //! appended to stay aligned (the reader's fast path) and readable by Debian's h5dump 1.10; a real
 //! torch DataLoader with LiveSampler while the service appends, stops, idles, is killed and
-//! rebuilt (online learning); and the package installs with pip.
+//! rebuilt (online learning); the reader beside the README's own h5py open in one process; and
+//! the package installs with pip.
 
 mod common;
 use common::service::*;
@@ -50,6 +51,15 @@ fn reader_follows_the_running_service() {
 fn reader_online_learning_with_a_real_dataloader() {
     // 200 recordings, 12 of them in the tree from the start.
     live_script("reader_online", "idle_close_s = 1\n", 100, 31, 12);
+}
+
+/// The reader and the README's h5py snippet (`h5py.File(p, "r", libver="latest", swmr=True)`)
+/// in one Python process, in either order, while the real service appends, and after it closed
+/// its files when idle and reopened them (tests/py/reader_beside_h5py.py).
+#[test]
+fn reader_and_the_readme_h5py_snippet_share_one_process() {
+    // 40 recordings, 8 of them in the tree from the start.
+    live_script("reader_beside_h5py", "idle_close_s = 1\n", 20, 41, 8);
 }
 
 /// Run `tests/py/NAME.py` beside a service it starts itself: every row goes to training (plus

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks and figures for the README's "GPU" section, on a CUDA host with no Rust toolchain.
+# GPU checks and figures for docs/gpu.md, on a CUDA host with no Rust toolchain.
 # Prepare the carry first, here: benches/gpu/prepare-carry.sh (release binary, the gpu_parity test
 # and daemon benchmark executables, fixtures, make_dataset.py, overlap32.toml in $CARRY, default
 # .device-carry). Then, on the device, from the repository root:

@@ -1,4 +1,4 @@
-"""Read ailhd's live per-split datasets from Python (ailhd README, "Reading from Python").
+"""Read ailhd's live per-split datasets from Python (ailhd docs/reading.md).
 
     from ailhd_reader import LiveDataset, LiveSampler, collate
     ds = LiveDataset("/data/ailhd/out", split="training", source="npy")

@@ -1,5 +1,5 @@
-"""LiveDataset: ailhd's per-split outputs as a map-style dataset (ailhd README, "Reading from
-Python"; the file layout is in its "Outputs" section).
+"""LiveDataset: ailhd's per-split outputs as a map-style dataset (ailhd docs/reading.md;
+the file layout is in the README, "What comes out").
 
 How it reads, and why:
 
@@ -678,19 +678,24 @@ def _refresh(dset):
 
 
 def _open_h5(h5py, path):
-    """SWMR read open (works whether or not a writer is appending), without HDF5's file lock.
-    Retried for a moment: the service may be between creating a file and starting SWMR."""
+    """SWMR read open (works whether or not a writer is appending), as the ailhd README's h5py
+    snippet opens it: `h5py.File(path, "r", libver="latest", swmr=True)`, HDF5's default file
+    locking included, so the two can share the file in one process in either order (HDF5 keeps
+    one open file per process and refuses a second open with other locking settings). The
+    service opens its files without locks, so a reader's shared lock never stops it. Retried
+    for a moment: the service may be between creating a file and starting SWMR."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file (is outputs.hdf5 on, and is this ailhd's "
                                 "paths.output? hdf5_name= names a file of outputs.hdf5_names)")
     # HDF5 keeps one open file per process: when this process already holds the file with other
-    # settings (plain, or with file locking), open it the way it is already open. A plain open
-    # sees what that handle sees, not later appends.
+    # settings (plain, or without file locking), open it the way it is already open. A plain
+    # open sees what that handle sees, not later appends. Without locking, too, where the file
+    # system refuses locks.
     # No chunk cache: ailhd's chunks are stored raw, and HDF5 reads a raw chunk bigger than the
     # cache in part, straight from the file, so a random row costs a row and not its whole chunk
     # (h5py's default 1 MiB cache made a row of 1 MiB chunks cost 1 MiB; benches/reader.py).
-    ways = [dict(libver="latest", swmr=True, locking=False), dict(libver="latest", swmr=True),
-            dict(locking=False), {}]
+    ways = [dict(libver="latest", swmr=True), dict(libver="latest", swmr=True, locking=False),
+            {}, dict(locking=False)]
     ways = [dict(kw, rdcc_nbytes=0) for kw in ways]
     last = None
     for attempt in range(20):
@@ -702,7 +707,8 @@ def _open_h5(h5py, path):
             except OSError as e:
                 last = e
                 text = str(e)
-                if "not the same" in text or "don't match" in text or "do not match" in text:
+                if ("not the same" in text or "don't match" in text or "do not match" in text
+                        or "lock" in text):
                     continue
                 break
         time.sleep(0.1)

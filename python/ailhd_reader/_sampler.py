@@ -1,5 +1,5 @@
-"""LiveSampler: epochs over a LiveDataset that grows while the trainer runs (ailhd README,
-"Reading from Python")."""
+"""LiveSampler: epochs over a LiveDataset that grows while the trainer runs (ailhd
+docs/reading.md)."""
 
 import math
 

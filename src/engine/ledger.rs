@@ -1,5 +1,5 @@
 //! Ledger: the one place that decides what observations mean for rows, the manifest and the
-//! quarantine (README, "Identity, labels, splits"). `rebuild` and `run` both feed it; nothing
+//! quarantine (docs/design.md, "Identity, labels, splits"). `rebuild` and `run` both feed it; nothing
 //! else decides. Given a batch of observations it returns a [`Plan`]: rows to append (with the
 //! decoded recordings to featurise), in-place edits of existing rows, and the records to store.
 //! The commit stage carries a plan out; the ledger never writes.

@@ -233,7 +233,7 @@ static CACHE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 
 /// The memory a manifest opened from now on may keep as a cache of its records
 /// (`ingest.manifest_cache_mb`). sled's own bookkeeping comes on top: about 0.4 KB per record
-/// (README, "Benchmarks").
+/// (docs/benchmarks.md).
 pub fn set_cache_mb(mb: u64) {
     CACHE_BYTES.store(mb.max(1) << 20, Ordering::Relaxed);
 }

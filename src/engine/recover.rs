@@ -1,4 +1,4 @@
-//! Rebuilding a lost manifest from the outputs (README, "Operations": a lost state).
+//! Rebuilding a lost manifest from the outputs (docs/operations.md: a lost state).
 //!
 //! Rows never move and never disappear while the outputs exist (a trainer may keep row
 //! numbers), so a service that finds its state folder missing or unreadable must not start

@@ -1,4 +1,4 @@
-//! The feature definition (README "What a row is") computed plainly in float64: the yardstick
+//! The feature definition (docs/design.md, "What a row is") computed plainly in float64: the yardstick
 //! both featurisers are held against at start-up (`CudaFeaturiser`'s self-check), in `doctor` and
 //! in the tests, with the contract's accuracy rule ([`super::mel::check_accuracy`]). It shares no
 //! arithmetic with either featuriser: realfft in f64 (neither fast path uses it for the contract's

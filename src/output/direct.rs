@@ -15,7 +15,7 @@
 //!   once written ([`Recycler`]), so the next batches reuse the same few warm pages.
 //!
 //! The narrow columns, HDF5's metadata and everything the service writes go through the page
-//! cache as before. Measured figures: README, "Benchmarks".
+//! cache as before. Measured figures: docs/benchmarks.md.
 //!
 //! `O_DIRECT` needs the file offset, the length and the buffer address aligned to the
 //! device's logical block; [`BLOCK`] (4 KiB) covers every common device and is a whole number

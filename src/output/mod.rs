@@ -92,7 +92,7 @@ pub trait SplitSink: Send {
     fn set_valid(&mut self, row: u64, valid: bool) -> anyhow::Result<()>;
     /// Overwrite one row's bytes of column `name` in place.
     fn write_cell(&mut self, name: &str, row: u64, bytes: &[u8]) -> anyhow::Result<()>;
-    /// The row has a new owner (README, "Identity, labels, splits"): rewrite its label and
+    /// The row has a new owner (docs/design.md, "Identity, labels, splits"): rewrite its label and
     /// path columns in place; features and hash stay.
     fn set_owner(&mut self, row: u64, meta: &RowMeta, path_bytes: usize) -> anyhow::Result<()> {
         for (name, bytes) in owner_cells(meta, path_bytes)? {

@@ -5,7 +5,7 @@
 //! HDF5 files are opened read-only in SWMR mode (`H5F_ACC_RDONLY | H5F_ACC_SWMR_READ`, file
 //! locking off), exactly what h5py's `File(p, "r", libver="latest", swmr=True)` does, so this
 //! works while `ailhd run` is appending and never stops it from starting or appending
-//! (README, "Outputs"). [`SwmrSplit::refresh`] re-reads `committed_rows` after
+//! (README, "What comes out"). [`SwmrSplit::refresh`] re-reads `committed_rows` after
 //! `H5Drefresh`, as `dset.refresh()` does in h5py. When HDF5 output is turned off, the npy
 //! columns (whose header shape is the committed row count) are read instead.
 

@@ -175,7 +175,7 @@ pub fn is_wav(path: &Path) -> bool {
 }
 
 /// Folders that could not be watched (inotify's limits), with the reason: the service retries
-/// them and rescans meanwhile (README, "Running the service").
+/// them and rescans meanwhile (docs/operations.md).
 pub type Unwatched = Arc<Mutex<BTreeMap<PathBuf, String>>>;
 
 /// True for the errors a watch limit gives (as opposed to a missing or unreadable folder).
@@ -230,7 +230,7 @@ impl Watcher {
         // notify calls the handler on its own thread; hand the raw events to our worker so
         // walking a new folder never holds up notify's read of the kernel queue.
         let (raw_tx, raw_rx) = crossbeam_channel::unbounded();
-        // Symbolic links are not followed (README, "Identity, labels, splits"): a link named
+        // Symbolic links are not followed (docs/design.md, "Identity, labels, splits"): a link named
         // `*.wav` is reported like a file and rejected by the source rule.
         let mut inner = RecommendedWatcher::new(
             move |res| {
@@ -586,7 +586,7 @@ impl Translator {
     fn arrived(&mut self, abs: &Path, rel: PathBuf, emit: &mut dyn FnMut(WatchEvent)) {
         match std::fs::symlink_metadata(abs) {
             // A folder moved in: its files were renamed into place with it, as complete as a
-            // file renamed alone (the README: a complete file is one "closed, or renamed into
+            // file renamed alone (docs/design.md: a complete file is one "closed, or renamed into
             // place"). Each is still probed (header consistent with its size) before it goes, and a
             // writer that goes on writing raises events in the now-watched folder, so its new
             // bytes supersede the row.

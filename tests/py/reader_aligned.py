@@ -18,7 +18,7 @@ from reader_util import SPLIT_FILES, check_dataset, fail, h5_truth
 
 
 def chunk_offsets(path):
-    with h5py.File(path, "r", libver="latest", swmr=True, locking=False) as f:
+    with h5py.File(path, "r", libver="latest", swmr=True) as f:
         mel = f["segments_mel"]
         mel.refresh()
         found = []

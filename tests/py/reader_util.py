@@ -23,7 +23,7 @@ def h5_truth(out, split):
     """Everything in a split's HDF5 file, read with h5py as the README says (SWMR, committed_rows
     first, then refresh): dict of committed, valid, labels, mel, meta columns, label names."""
     path = os.path.join(out, SPLIT_FILES[split])
-    with h5py.File(path, "r", libver="latest", swmr=True, locking=False) as f:
+    with h5py.File(path, "r", libver="latest", swmr=True) as f:
         f["committed_rows"].refresh()
         n = int(f["committed_rows"][0])
         t = {"committed": n}

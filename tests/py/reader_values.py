@@ -95,7 +95,9 @@ def npy_set_rows(path, rows):
 
 def in_child(fn, *args):
     """Run fn(*args) in another process: HDF5 lets no process write a file it holds open for
-    reading, and the writer is another process anyway."""
+    reading, and the writer is another process anyway. The writers here stand in for ailhd and
+    open the files as it does, without file locking: the readers hold shared locks (h5py's
+    default, as the README's snippet opens the files)."""
     p = mp.get_context("spawn").Process(target=fn, args=args)
     p.start()
     p.join()
@@ -104,7 +106,7 @@ def in_child(fn, *args):
 
 
 def h5_append_ghosts(path):
-    with h5py.File(path, "r+") as f:
+    with h5py.File(path, "r+", locking=False) as f:
         n = int(f["committed_rows"][0])
         for name, ds in f.items():
             if name == "committed_rows":
@@ -119,13 +121,13 @@ def h5_append_ghosts(path):
 
 
 def h5_invalidate(path, rows):
-    with h5py.File(path, "r+") as f:
+    with h5py.File(path, "r+", locking=False) as f:
         for r in rows:
             f["valid"][r] = 0
 
 
 def h5_commit(path, n):
-    with h5py.File(path, "r+") as f:
+    with h5py.File(path, "r+", locking=False) as f:
         f["committed_rows"][0] = n
 
 
@@ -309,7 +311,7 @@ def copy_rewritten(src, dst, libver=("v110", "v110")):
     """src's datasets, rewritten by h5py with the same chunks but no file-space alignment (as
     other writers, and ailhd before it aligned its chunks, lay them out), in the file format of
     `libver` ("earliest": HDF5's oldest, whose chunk index is a B-tree)."""
-    with h5py.File(src, "r", libver="latest", swmr=True, locking=False) as f, h5py.File(
+    with h5py.File(src, "r", libver="latest", swmr=True) as f, h5py.File(
             dst, "w", libver=libver) as g:
         for name, d in f.items():
             if d.chunks is None:
@@ -336,7 +338,7 @@ def unaligned_hdf5(out, scratch, rng):
 
 
 def chunk_iter_addresses(path):
-    with h5py.File(path, "r", libver="latest", swmr=True, locking=False) as f:
+    with h5py.File(path, "r", libver="latest", swmr=True) as f:
         mel = f["segments_mel"]
         cr = mel.chunks[0]
         found = {}
@@ -348,7 +350,7 @@ def h5_append_rows(path, counts, seed):
     """Rows of distinct values appended to every dataset and committed, `counts` at a time (each
     a commit of its own: the chunk index, and the chunks of the other datasets, grow between)."""
     rng = np.random.default_rng(seed)
-    with h5py.File(path, "r+") as f:
+    with h5py.File(path, "r+", locking=False) as f:
         for count in counts:
             n = int(f["committed_rows"][0])
             for name, ds in f.items():
@@ -408,7 +410,7 @@ def appended_chunks(out, scratch, rng):
             x.resize(at + 35000, axis=0)
             x[at:] = rng.normal(0, 1, (35000, 2))
     truth = chunk_iter_addresses(path)
-    with h5py.File(path, "r", libver="latest", swmr=True, locking=False) as f:
+    with h5py.File(path, "r", libver="latest", swmr=True) as f:
         fd = os.open(path, os.O_RDONLY)
         try:
             index = _EaIndex(fd, h5py.h5o.get_info(f["segments_mel"].id).addr)

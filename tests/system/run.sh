@@ -5,7 +5,7 @@
 # an operator relies on: the package's user, groups and enabled-not-started unit; one clean
 # failed start while unconfigured (no restart loop); READY=1; STATUS=; journal fields FILE and
 # REASON; `systemctl reload` accepted (exit 0) and refused (non-zero); the metrics textfile and
-# (with the README's drop-in) the HTTP endpoint;
+# (with the drop-in docs/operations.md gives) the HTTP endpoint;
 # new recordings ingested; watchdog restart after SIGSTOP; clean stop. Powers the container off.
 #
 # Usage (root, from anywhere):   tests/system/run.sh            # builds the .deb with cargo deb
@@ -15,7 +15,7 @@
 # MIRROR=Debian mirror URL (default: this host's apt mirror, else deb.debian.org).
 # Needs: root, systemd-nspawn (systemd-container), mmdebstrap, zstd (installed with apt-get
 # when missing), network access to a Debian mirror for the first rootfs, cargo-deb for the .deb.
-# Not in CI: see README, "System test".
+# Not in CI: see docs/operations.md, "System test".
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -227,7 +227,7 @@ committed20() { C ailhd status | grep -q 'committed 20'; }
 check "state survived the watchdog kill (committed 20)" committed20
 C sh -c 'rm -rf /run/systemd/system/ailhd.service.d && systemctl daemon-reload'
 
-step "metrics endpoint: [metrics] listen, with the drop-in the README gives"
+step "metrics endpoint: [metrics] listen, with the drop-in docs/operations.md gives"
 C sh -c 'mkdir -p /etc/systemd/system/ailhd.service.d && printf "[Service]\nPrivateNetwork=no\nRestrictAddressFamilies=AF_UNIX AF_INET AF_INET6\nIPAddressAllow=localhost\n" > /etc/systemd/system/ailhd.service.d/metrics.conf && systemctl daemon-reload'
 printf 'listen = "127.0.0.1:9187"\n' >> "$ROOT/etc/ailhd/ailhd.toml"
 C systemctl restart ailhd
