@@ -31,7 +31,7 @@ complete -c ailhd -n "__fish_ailhd_needs_command" -s h -l help -d 'Print help'
 complete -c ailhd -n "__fish_ailhd_needs_command" -s V -l version -d 'Print version'
 complete -c ailhd -n "__fish_ailhd_needs_command" -f -a "run" -d 'The ingestion service (what systemd starts): watch the tree, ingest new or changed recordings'
 complete -c ailhd -n "__fish_ailhd_needs_command" -f -a "rebuild" -d 'Regenerate every output from the tree; the old outputs stay until the new ones are complete'
-complete -c ailhd -n "__fish_ailhd_needs_command" -f -a "merge" -d 'One set of outputs over several (shards, or several hosts) without copying features: HDF5 virtual datasets; one valid row per content (the first input keeps it)'
+complete -c ailhd -n "__fish_ailhd_needs_command" -f -a "merge" -d 'One set of outputs over several (shards, or several hosts) without copying features: HDF5 virtual datasets; one valid row per content (over the shards of one tree, the smallest path\'s, as one rebuild; between other outputs, the first input keeps it)'
 complete -c ailhd -n "__fish_ailhd_needs_command" -f -a "status" -d 'Files per state, rows per split and label, quarantined files with reasons'
 complete -c ailhd -n "__fish_ailhd_needs_command" -f -a "check-config" -d 'Validate the configuration and what the service needs at start (exit 0, or 2 with the reason)'
 complete -c ailhd -n "__fish_ailhd_needs_command" -f -a "reload" -d 'Make the running service reload its configuration and wait for its answer (systemd\'s ExecReload): exit 0 when accepted, 2 when refused'
@@ -48,7 +48,7 @@ complete -c ailhd -n "__fish_ailhd_using_subcommand run" -s h -l help -d 'Print 
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l device -d 'Where to featurise (default: ingest.device from the configuration)' -r -f -a "auto\t''
 cpu\t''
 cuda\t''"
-complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l shard -d 'Only the recordings of shard I of N (by content hash, I from 0), for a scheduler\'s array job; `auto` or `auto/N` take I (and N) from SLURM_ARRAY_TASK_ID/_COUNT or JOB_COMPLETION_INDEX' -r
+complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l shard -d 'Only the recordings of shard I of N (by a hash of the path, I from 0; each shard reads only its own files), for a scheduler\'s array job; `auto` or `auto/N` take I (and N) from SLURM_ARRAY_TASK_ID/_COUNT or JOB_COMPLETION_INDEX' -r
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l config -d 'Configuration file (else $AILHD_CONFIG, else /etc/ailhd/ailhd.toml, else built-in defaults)' -r -F
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l json -d 'Print the report as JSON'
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l verbose -d 'Say more (info messages)'
@@ -101,7 +101,7 @@ complete -c ailhd -n "__fish_ailhd_using_subcommand man" -l debug -d 'Say everyt
 complete -c ailhd -n "__fish_ailhd_using_subcommand man" -s h -l help -d 'Print help'
 complete -c ailhd -n "__fish_ailhd_using_subcommand help; and not __fish_seen_subcommand_from run rebuild merge status check-config reload inspect demo doctor completions man help" -f -a "run" -d 'The ingestion service (what systemd starts): watch the tree, ingest new or changed recordings'
 complete -c ailhd -n "__fish_ailhd_using_subcommand help; and not __fish_seen_subcommand_from run rebuild merge status check-config reload inspect demo doctor completions man help" -f -a "rebuild" -d 'Regenerate every output from the tree; the old outputs stay until the new ones are complete'
-complete -c ailhd -n "__fish_ailhd_using_subcommand help; and not __fish_seen_subcommand_from run rebuild merge status check-config reload inspect demo doctor completions man help" -f -a "merge" -d 'One set of outputs over several (shards, or several hosts) without copying features: HDF5 virtual datasets; one valid row per content (the first input keeps it)'
+complete -c ailhd -n "__fish_ailhd_using_subcommand help; and not __fish_seen_subcommand_from run rebuild merge status check-config reload inspect demo doctor completions man help" -f -a "merge" -d 'One set of outputs over several (shards, or several hosts) without copying features: HDF5 virtual datasets; one valid row per content (over the shards of one tree, the smallest path\'s, as one rebuild; between other outputs, the first input keeps it)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand help; and not __fish_seen_subcommand_from run rebuild merge status check-config reload inspect demo doctor completions man help" -f -a "status" -d 'Files per state, rows per split and label, quarantined files with reasons'
 complete -c ailhd -n "__fish_ailhd_using_subcommand help; and not __fish_seen_subcommand_from run rebuild merge status check-config reload inspect demo doctor completions man help" -f -a "check-config" -d 'Validate the configuration and what the service needs at start (exit 0, or 2 with the reason)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand help; and not __fish_seen_subcommand_from run rebuild merge status check-config reload inspect demo doctor completions man help" -f -a "reload" -d 'Make the running service reload its configuration and wait for its answer (systemd\'s ExecReload): exit 0 when accepted, 2 when refused'
