@@ -150,10 +150,6 @@ impl CudaFeaturiser {
         let sm_count = ctx
             .attribute(dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             .max(1) as u32;
-        let suffix = match tables.precision {
-            Precision::F32 => "f32",
-            Precision::F64 => "f64",
-        };
         // Three streams: uploads, kernels and downloads of different chunks overlap. cudarc
         // orders work on device buffers across streams with events it records per buffer.
         let compute = ctx.new_stream()?;
@@ -161,22 +157,7 @@ impl CudaFeaturiser {
         let download = ctx.new_stream()?;
 
         let g = tables.geometry;
-        let precision = tables.precision;
-        let mut chunk_files = chunk_files_for(&g);
-        let (free, _total) = ctx.mem_get_info()?;
-        // Leave room for cuFFT's work areas and other processes: use at most half of what is free.
-        // Never below one FFT group: the plan (and so every row's arithmetic) is the same on
-        // every GPU and at every batch size.
-        while chunk_files > PLAN_FILES && device_bytes(&g, precision, chunk_files) > free / 2 {
-            chunk_files /= 2;
-        }
-        let chunk_files = chunk_files.max(PLAN_FILES);
-        ensure!(
-            device_bytes(&g, precision, chunk_files) <= free,
-            "not enough GPU memory: {} MiB free, a chunk of {chunk_files} recordings needs {} MiB",
-            free >> 20,
-            device_bytes(&g, precision, chunk_files) >> 20
-        );
+        let chunk_files = chunk_files_fitting(&ctx, tables)?;
         let plan_files = PLAN_FILES;
 
         let mut weights = tables.mel_weights.clone();
@@ -187,71 +168,12 @@ impl CudaFeaturiser {
         let mel_offset = compute.clone_htod(&tables.mel_offset)?;
         let mel_weights = compute.clone_htod(&weights)?;
 
-        let frames_cap = chunk_files * g.frames_per_file as usize;
-        let (frames_len, bins_len) = (
-            frames_cap * g.n_fft as usize,
-            frames_cap * g.n_freqs as usize,
-        );
-        let fft = match precision {
-            Precision::F32 => FftBuffers::F32 {
-                window: compute.clone_htod(&tables.window)?,
-                frames: compute.alloc_zeros::<f32>(frames_len)?,
-                spectrum: compute.alloc_zeros::<cufft::sys::float2>(bins_len)?,
-            },
-            Precision::F64 => FftBuffers::F64 {
-                window: compute.clone_htod(&tables.window_f64)?,
-                frames: compute.alloc_zeros::<f64>(frames_len)?,
-                spectrum: compute.alloc_zeros::<cufft::sys::double2>(bins_len)?,
-            },
-        };
+        let fft = fft_buffers(&compute, tables, chunk_files)?;
         let mel_db = compute.alloc_zeros::<f32>(chunk_files * g.row_len as usize)?;
-
-        let samples_cap = chunk_files * g.num_samples as usize;
-        let rows_cap = chunk_files * g.row_len as usize;
-        let make_slot = || -> anyhow::Result<Slot> {
-            // SAFETY (alloc_pinned*): the memory is uninitialised; it is zeroed at once.
-            // Write-combined for the input: the host only writes it, sequentially, and the
-            // device reads it faster. Plain pinned for the rows, which the host reads.
-            let mut pcm_host = unsafe { ctx.alloc_pinned::<i16>(samples_cap) }?;
-            pcm_host.as_mut_slice()?.fill(0);
-            let mut rows_host = unsafe { ctx.alloc_pinned_with_flags::<u16>(rows_cap, 0) }?;
-            rows_host.as_mut_slice()?.fill(0);
-            // Events the host waits on block (instead of spinning a core); the timing marks
-            // need timing enabled (cudarc's default flags disable it, and elapsed_ms then fails).
-            let blocking = Some(dsys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
-            let timing = Some(dsys::CUevent_flags::CU_EVENT_DEFAULT);
-            Ok(Slot {
-                pcm_host,
-                pcm_dev: compute.alloc_zeros::<i16>(samples_cap)?,
-                float_host: None,
-                float_dev: None,
-                rows_dev: compute.alloc_zeros::<u16>(rows_cap)?,
-                rows_host,
-                uploaded: ctx.new_event(blocking)?,
-                upload_start: ctx.new_event(timing)?,
-                compute_start: ctx.new_event(timing)?,
-                compute_end: ctx.new_event(timing)?,
-                downloaded: ctx.new_event(blocking)?,
-                files: 0,
-                path: InputPath::Pcm16,
-            })
-        };
         let slots = (0..SLOTS)
-            .map(|_| make_slot())
+            .map(|_| make_slot(&ctx, &compute, &g, chunk_files))
             .collect::<anyhow::Result<_>>()?;
-
-        let batch = i32::try_from(plan_files * g.frames_per_file as usize)
-            .context("FFT batch too large")?;
-        let kind = match precision {
-            Precision::F32 => cufft::sys::cufftType::CUFFT_R2C,
-            Precision::F64 => cufft::sys::cufftType::CUFFT_D2Z,
-        };
-        let plan = CudaFft::plan_1d(g.n_fft, kind, batch, compute.clone()).map_err(|e| {
-            anyhow!(
-                "cuFFT could not plan {batch} {kind:?} transforms of {}: {e}",
-                g.n_fft
-            )
-        })?;
+        let plan = fft_plan(&compute, tables, plan_files)?;
         compute.synchronize()?;
         let allocated = started.elapsed().as_secs_f64();
 
@@ -259,12 +181,7 @@ impl CudaFeaturiser {
             .join()
             .map_err(|p| anyhow!("NVRTC panicked: {}", panic_message(&*p)))?;
         let (module, target) = load_kernels(&ctx, targets, first)?;
-        let kernels = Kernels {
-            frame_pcm16: module.load_function(&format!("frame_pcm16_{suffix}"))?,
-            frame_f32: module.load_function(&format!("frame_f32_{suffix}"))?,
-            power_mel_db: module.load_function(&format!("power_mel_db_{suffix}"))?,
-            finalize_rows: module.load_function("finalize_rows")?,
-        };
+        let kernels = kernel_functions(&module, tables.precision)?;
         log::info!(
             "CUDA start-up on {gpu}: context {opened:.3} s, buffers and FFT plan {:.3} s, kernels for {target} compiled in {compile_s:.3} s beside them and loaded by {:.3} s",
             allocated - opened,
@@ -479,4 +396,126 @@ fn compute_capability(ordinal: i32) -> anyhow::Result<(i32, i32)> {
         attr(dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
         attr(dsys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
     ))
+}
+
+/// Recordings per chunk on this GPU: [`chunk_files_for`] the geometry, halved while a chunk
+/// would take more than half of the free memory (room for cuFFT's work areas and other
+/// processes), never below one FFT group: the plan (and so every row's arithmetic) is the same
+/// on every GPU and at every batch size.
+fn chunk_files_fitting(ctx: &Arc<CudaContext>, tables: &KernelTables) -> anyhow::Result<usize> {
+    let (g, precision) = (&tables.geometry, tables.precision);
+    let mut chunk_files = chunk_files_for(g);
+    let (free, _total) = ctx.mem_get_info()?;
+    while chunk_files > PLAN_FILES && device_bytes(g, precision, chunk_files) > free / 2 {
+        chunk_files /= 2;
+    }
+    let chunk_files = chunk_files.max(PLAN_FILES);
+    ensure!(
+        device_bytes(g, precision, chunk_files) <= free,
+        "not enough GPU memory: {} MiB free, a chunk of {chunk_files} recordings needs {} MiB",
+        free >> 20,
+        device_bytes(g, precision, chunk_files) >> 20
+    );
+    Ok(chunk_files)
+}
+
+/// The window, one chunk's frames and their spectra, in the FFT's precision.
+fn fft_buffers(
+    compute: &Arc<CudaStream>,
+    tables: &KernelTables,
+    chunk_files: usize,
+) -> anyhow::Result<FftBuffers> {
+    let g = &tables.geometry;
+    let frames_cap = chunk_files * g.frames_per_file as usize;
+    let (frames_len, bins_len) = (
+        frames_cap * g.n_fft as usize,
+        frames_cap * g.n_freqs as usize,
+    );
+    Ok(match tables.precision {
+        Precision::F32 => FftBuffers::F32 {
+            window: compute.clone_htod(&tables.window)?,
+            frames: compute.alloc_zeros::<f32>(frames_len)?,
+            spectrum: compute.alloc_zeros::<cufft::sys::float2>(bins_len)?,
+        },
+        Precision::F64 => FftBuffers::F64 {
+            window: compute.clone_htod(&tables.window_f64)?,
+            frames: compute.alloc_zeros::<f64>(frames_len)?,
+            spectrum: compute.alloc_zeros::<cufft::sys::double2>(bins_len)?,
+        },
+    })
+}
+
+/// One staging slot for chunks of `chunk_files` recordings.
+fn make_slot(
+    ctx: &Arc<CudaContext>,
+    compute: &Arc<CudaStream>,
+    g: &Geometry,
+    chunk_files: usize,
+) -> anyhow::Result<Slot> {
+    let samples_cap = chunk_files * g.num_samples as usize;
+    let rows_cap = chunk_files * g.row_len as usize;
+    // SAFETY (alloc_pinned*): the memory is uninitialised; it is zeroed at once.
+    // Write-combined for the input: the host only writes it, sequentially, and the
+    // device reads it faster. Plain pinned for the rows, which the host reads.
+    let mut pcm_host = unsafe { ctx.alloc_pinned::<i16>(samples_cap) }?;
+    pcm_host.as_mut_slice()?.fill(0);
+    let mut rows_host = unsafe { ctx.alloc_pinned_with_flags::<u16>(rows_cap, 0) }?;
+    rows_host.as_mut_slice()?.fill(0);
+    // Events the host waits on block (instead of spinning a core); the timing marks
+    // need timing enabled (cudarc's default flags disable it, and elapsed_ms then fails).
+    let blocking = Some(dsys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
+    let timing = Some(dsys::CUevent_flags::CU_EVENT_DEFAULT);
+    Ok(Slot {
+        pcm_host,
+        pcm_dev: compute.alloc_zeros::<i16>(samples_cap)?,
+        float_host: None,
+        float_dev: None,
+        rows_dev: compute.alloc_zeros::<u16>(rows_cap)?,
+        rows_host,
+        uploaded: ctx.new_event(blocking)?,
+        upload_start: ctx.new_event(timing)?,
+        compute_start: ctx.new_event(timing)?,
+        compute_end: ctx.new_event(timing)?,
+        downloaded: ctx.new_event(blocking)?,
+        files: 0,
+        path: InputPath::Pcm16,
+    })
+}
+
+/// The one batched R2C (float32) or D2Z (float64) plan for `plan_files` recordings.
+fn fft_plan(
+    compute: &Arc<CudaStream>,
+    tables: &KernelTables,
+    plan_files: usize,
+) -> anyhow::Result<CudaFft> {
+    let g = &tables.geometry;
+    let batch =
+        i32::try_from(plan_files * g.frames_per_file as usize).context("FFT batch too large")?;
+    let kind = match tables.precision {
+        Precision::F32 => cufft::sys::cufftType::CUFFT_R2C,
+        Precision::F64 => cufft::sys::cufftType::CUFFT_D2Z,
+    };
+    CudaFft::plan_1d(g.n_fft, kind, batch, compute.clone()).map_err(|e| {
+        anyhow!(
+            "cuFFT could not plan {batch} {kind:?} transforms of {}: {e}",
+            g.n_fft
+        )
+    })
+}
+
+/// The kernels of `precision` in the loaded module.
+fn kernel_functions(
+    module: &Arc<cudarc::driver::CudaModule>,
+    precision: Precision,
+) -> anyhow::Result<Kernels> {
+    let suffix = match precision {
+        Precision::F32 => "f32",
+        Precision::F64 => "f64",
+    };
+    Ok(Kernels {
+        frame_pcm16: module.load_function(&format!("frame_pcm16_{suffix}"))?,
+        frame_f32: module.load_function(&format!("frame_f32_{suffix}"))?,
+        power_mel_db: module.load_function(&format!("power_mel_db_{suffix}"))?,
+        finalize_rows: module.load_function("finalize_rows")?,
+    })
 }
