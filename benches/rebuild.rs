@@ -102,12 +102,7 @@ fn main() {
     for (phase, secs) in &r.phases {
         println!("    {phase:<10} {secs:>8.3} s");
     }
-    let ingest = r
-        .phases
-        .iter()
-        .find(|(p, _)| *p == "ingest")
-        .map(|(_, s)| *s)
-        .unwrap_or(f64::NAN);
+    let ingest = ingest_secs(r);
     println!(
         "  time per stage (thread-seconds, us per file, and how busy the stage's threads were during ingest; read/hash/decode share {threads} loader threads, featurise has its own, write+manifest the commit thread):"
     );
@@ -238,6 +233,15 @@ fn pass_through(s: &Settings) -> anyhow::Result<Box<dyn Featuriser>> {
     }))
 }
 
+/// Wall seconds of the run's ingest phase.
+fn ingest_secs(r: &RebuildReport) -> f64 {
+    r.phases
+        .iter()
+        .find(|(p, _)| *p == "ingest")
+        .map(|(_, s)| *s)
+        .unwrap_or(f64::NAN)
+}
+
 /// Seconds per file of each stage (thread time summed over threads).
 fn per_file(r: &RebuildReport, names: &[&str]) -> f64 {
     r.stages
@@ -301,12 +305,7 @@ fn ceiling(s: &Settings, ui: &Ui) {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let ingest = r
-        .phases
-        .iter()
-        .find(|(p, _)| *p == "ingest")
-        .map(|(_, s)| *s)
-        .unwrap_or(f64::NAN);
+    let ingest = ingest_secs(&r);
     println!("  stage        us/file (thread time; pass-through | real cpu)");
     for ((stage, secs), (_, real_secs)) in r.stages.iter().zip(&cpu_run.stages) {
         println!(
