@@ -1,6 +1,6 @@
 // GPU featuriser kernels: int16/float samples -> windowed frames -> (cuFFT R2C or D2Z, on the host side)
 // -> |X|^power -> sparse mel -> dB -> per-recording top_db clamp -> float16 rows laid out
-// [file][long][short][mel][t] (CONTRACT.md, "Features"). src/features/cuda/ embeds this file and
+// [file][long][short][mel][t] (docs/design.md, "What a row is"). src/features/cuda/ embeds this file and
 // compiles it with NVRTC once at start-up for the device's architecture.
 //
 // Frames and the FFT are float32 or float64 as the accuracy rule needs (src/features/mod.rs,

@@ -164,7 +164,7 @@ pub enum DbMode {
     AmplitudeToDb,
 }
 
-/// The feature definition (CONTRACT.md, "Features"). Changing any of these makes existing outputs
+/// The feature definition (docs/design.md, "What a row is"). Changing any of these makes existing outputs
 /// incompatible, which is why they are fingerprinted into every output file.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]

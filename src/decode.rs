@@ -1,5 +1,5 @@
 //! Decode: WAV bytes -> mono waveform at `sample_rate`, padded or trimmed to `num_samples`
-//! (CONTRACT.md, "Features", first paragraph). Every malformed input is a [`DecodeError`] that
+//! (docs/design.md, "What a row is"). Every malformed input is a [`DecodeError`] that
 //! says what is wrong; nothing here panics or allocates more than the input justifies.
 //!
 //! Supported: PCM 8 (unsigned), 16, 24 and 32-bit, IEEE float 32 and 64-bit, plain or as

@@ -631,7 +631,7 @@ impl Case {
     }
 }
 
-/// The valid fixtures, decoded by the project's decoder (CONTRACT.md's first paragraph).
+/// The valid fixtures, decoded by the project's decoder (docs/design.md, "What a row is").
 fn valid_cases(settings: &FeatureSettings) -> Vec<Case> {
     let root = shared().join("fixtures/features");
     let text = std::fs::read_to_string(root.join("cases.json"))

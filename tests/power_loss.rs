@@ -4,7 +4,7 @@
 //! through FUSE from this process (tests/common/faultfs.rs): it keeps only what was made
 //! durable (a file's bytes at its fsync, a folder's entries at the folder's fsync), forgets the
 //! rest at a power cut, and fails operations with EIO on command. The recordings stay on the
-//! normal disk. What the contract promises (the CONTRACT's "Outputs" and "Commands") is checked
+//! normal disk. What the contract promises (docs/reading.md and docs/operations.md, "Durability and failing disks") is checked
 //! as a reader and an operator see it:
 //!
 //! - a reader's view: an SWMR reader in this process samples `committed_rows` and every row

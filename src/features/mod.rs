@@ -1,5 +1,5 @@
 //! Featurise: decoded waveforms -> rows of float16 decibel mel spectrograms, shaped
-//! `[num_long, num_short, n_mels, t_frames]` (CONTRACT.md, "Features"). The CPU and CUDA paths
+//! `[num_long, num_short, n_mels, t_frames]` (docs/design.md, "What a row is"). The CPU and CUDA paths
 //! are two implementations of one [`Featuriser`] interface; both must give the same rows.
 
 pub mod cpu;

@@ -1,6 +1,6 @@
 //! HDF5 per-split file: one chunked, first-dimension-unlimited dataset per column plus
 //! `committed_rows`, written so that an h5py SWMR reader can follow it while it grows and a
-//! file left by a killed writer still opens and resumes (CONTRACT.md, "Outputs").
+//! file left by a killed writer still opens and resumes (docs/reading.md, "Layout on disk").
 //!
 //! On-disk guarantees and the HDF5 rules behind them:
 //! - Format bounds are pinned to v1.10 (`H5Pset_libver_bounds(V110, V110)`): SWMR needs v1.10

@@ -1,4 +1,4 @@
-//! Write: rows -> the per-split outputs (CONTRACT.md, "Outputs"): one HDF5 file per split
+//! Write: rows -> the per-split outputs (docs/reading.md, "Layout on disk"): one HDF5 file per split
 //! ([`hdf5`]) and `npy/<split>/` column files ([`npy`]). Both implement [`SplitSink`]; a
 //! [`SplitOutputs`] drives the enabled ones together so they always hold the same rows.
 
@@ -275,7 +275,7 @@ impl ColumnSpec {
     }
 }
 
-/// The row columns of an output with this header, in CONTRACT.md's order. `committed_rows`
+/// The row columns of an output with this header, in the order of docs/reading.md, "Layout on disk". `committed_rows`
 /// is not a row column and is not listed.
 pub fn columns(header: &OutputHeader) -> Vec<ColumnSpec> {
     let shape = header.shape();

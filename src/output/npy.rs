@@ -1,6 +1,6 @@
 //! npy column files: `npy/<split>/<column>.npy`, one per HDF5 dataset, plus `attributes.json`
 //! (the HDF5 file attributes and `committed_rows`). `numpy.load(path, mmap_mode="r")` opens
-//! each file as is, and its header shape is the committed row count (CONTRACT.md, "Outputs").
+//! each file as is, and its header shape is the committed row count (docs/reading.md, "Layout on disk").
 //!
 //! How a file grows without moving its data: the npy v1.0 header is written once with room for
 //! a 20-digit row count (padded with spaces to a multiple of 64 bytes, as numpy pads), rows are

@@ -1,4 +1,4 @@
-//! Settle: decides when a touched recording is complete enough to ingest (CONTRACT.md: closed,
+//! Settle: decides when a touched recording is complete enough to ingest (docs/design.md, "Identity, labels, splits": closed,
 //! size stable, header consistent with the size; never ingested truncated), and when a file that
 //! never completes must be quarantined. Pure bookkeeping: the caller supplies the clock and a
 //! probe of the filesystem, so the rules are tested without sleeping or touching a disk.
@@ -14,7 +14,7 @@
 //! - a *strong* touch (closed after writing, moved into place) lets the file go on the first probe
 //!   whose header is consistent, without waiting. We still probe, never trust the event alone.
 //!   A writer that closes, reopens and appends raises new events, so the file is touched again,
-//!   settles again and its new bytes supersede the first ingestion (CONTRACT.md, "Identity"); it
+//!   settles again and its new bytes supersede the first ingestion (docs/design.md, "Identity, labels, splits"); it
 //!   is never ingested with an inconsistent header.
 //! - a header that is malformed (not a WAV, an unsupported encoding, an empty file) cannot be
 //!   fixed by waiting: such a file goes like a consistent one, and the engine quarantines it

@@ -246,7 +246,7 @@ def run(rng, svc):
             fail(f"move ({s}): refresh() reported {g[s]}, len {before[s]} -> {len(d)}, "
                  f"label {d[k][1]} (want {want})")
         if d.meta(k)["source_path"] != dst_rel:
-            # The service's business, not the reader's (CONTRACT: updated in place).
+            # The service's business, not the reader's (docs/reading.md: updated in place).
             print(f"NOTE: after the move the service still stores source_path "
                   f"{d.meta(k)['source_path']!r}, not {dst_rel!r}")
     moved = {src_rel, dst_rel}
