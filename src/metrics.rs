@@ -621,11 +621,11 @@ mod tests {
         assert!(page.contains("ailhd_files_ingested_total 3"), "{page}");
         assert!(get("/").starts_with("HTTP/1.1 404"));
 
-        // The textfile: written at start, rewritten with the figures, last write on stop.
+        // The textfile: first written once the service's first figures are in (it may not be
+        // there yet), rewritten with the figures, last write on stop.
         let t = std::time::Instant::now();
         while !std::fs::read_to_string(&prom)
-            .unwrap()
-            .contains("ailhd_files_ingested_total 3")
+            .is_ok_and(|text| text.contains("ailhd_files_ingested_total 3"))
         {
             assert!(
                 t.elapsed() < Duration::from_secs(30),
