@@ -97,15 +97,14 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let rec = dir.path().join("rec");
     let state = dir.path().join("state");
+    let out = dir.path().join("out");
     std::fs::create_dir_all(rec.join("LEAK")).unwrap();
     let cfg = dir.path().join("ailhd.toml");
     std::fs::write(
         &cfg,
         format!(
             "[paths]\nrecordings = {:?}\noutput = {:?}\nstate = {:?}\n[ingest]\ndevice = \"cpu\"\nrescan_interval_s = 0\n",
-            rec,
-            dir.path().join("out"),
-            state
+            rec, out, state
         ),
     )
     .unwrap();
@@ -135,7 +134,7 @@ fn main() {
             .join(ailhd::synth::file_name(stream_n + burst_n + 1, 1)),
     )
     .unwrap();
-    while rows_committed(&dir.path().join("out")) < 1 {
+    while rows_committed(&out) < 1 {
         std::thread::sleep(Duration::from_millis(1));
     }
     println!(
@@ -190,7 +189,6 @@ fn main() {
         )
         .unwrap();
     }
-    let out = dir.path().join("out");
     let before = rows_committed(&out);
     let c0 = proc_cpu_secs(pid);
     let t = Instant::now();

@@ -89,8 +89,7 @@ fn main() {
             Err(e) => println!("   baseline not run: {e}"),
         }
     }
-    runs.sort_by_key(|r| r.elapsed);
-    let r = &runs[runs.len() / 2];
+    let r = &median_run(runs);
     let threads = s.worker_threads();
     println!(
         "ailhd rebuild (cpu, {threads} threads): {} files in {:.3} s = {:.0} files/s (median of 3)",
