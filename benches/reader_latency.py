@@ -12,6 +12,7 @@ stream measures the warm service.
 
 usage: python3 benches/reader_latency.py BIN [BIN ...] [--rate 100] [--seconds 20] [--rounds 2]
                                          [--device cpu|cuda|auto] [--log-dir DIR]
+                                         [--ingest KEY=VALUE ...]
 """
 import argparse
 import os
@@ -47,7 +48,7 @@ def cpu_model():
     return platform.processor()
 
 
-def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None):
+def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=()):
     with tempfile.TemporaryDirectory() as d:
         rec, out, state = (os.path.join(d, x) for x in ("rec", "out", "state"))
         for label in ("LEAK", "NORMAL"):
@@ -57,6 +58,7 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None):
         with open(cfg, "w") as f:
             f.write(f'[paths]\nrecordings = "{rec}"\noutput = "{out}"\nstate = "{state}"\n')
             f.write(f'[ingest]\ndevice = "{device}"\nrescan_interval_s = 0\n')
+            f.writelines(f"{kv}\n" for kv in ingest)
         env = dict(os.environ, RUNTIME_DIRECTORY=os.path.join(d, "run"))
         log = open(os.path.join(d, "run.log"), "w")
         svc = subprocess.Popen([binary, "--config", cfg, "run"], stdout=log, stderr=log, env=env)
@@ -66,7 +68,7 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None):
                 assert time.time() < deadline, "the service did not create its outputs"
                 time.sleep(0.05)
             appeared = time.monotonic()
-            files = [h5py.File(os.path.join(out, n), "r", libver="latest", swmr=True) for n in NAMES]
+            files = [open_swmr(os.path.join(out, n)) for n in NAMES]
             first = first_row(files, os.path.join(d, "incoming"), rec, seed)
             first_ms = (first - appeared) * 1e3
             n = int(rate * seconds)
@@ -132,6 +134,19 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None):
                 "first": first_ms}
 
 
+def open_swmr(path, limit=30):
+    """An h5py SWMR reader of `path`, once the service has switched it to SWMR writing (the
+    file may appear a moment before)."""
+    end = time.monotonic() + limit
+    while True:
+        try:
+            return h5py.File(path, "r", libver="latest", swmr=True)
+        except OSError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.01)
+
+
 def first_row(files, incoming, rec, seed, limit=60):
     """Feed one recording and wait until a reader sees a row; when it did."""
     name = "S999~R999999~20250118120530~100.wav"
@@ -157,13 +172,16 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     ap.add_argument("--log-dir", help="keep each run's service log and per-recording times here")
+    ap.add_argument("--ingest", action="append", default=[], metavar="KEY=VALUE",
+                    help="an [ingest] setting for every run, e.g. max_batch_latency_ms=5")
     a = ap.parse_args()
     print(f"# {cpu_model()}, {os.cpu_count()} cores; {a.rate:g} recordings/s for {a.seconds:g} s; "
           f"device {a.device}")
     results = {b: [] for b in a.bins}
     for r in range(a.rounds):
         for b in a.bins:
-            res = one_run(b, a.rate, a.seconds, seed=r + 1, device=a.device, log_dir=a.log_dir)
+            res = one_run(b, a.rate, a.seconds, seed=r + 1, device=a.device, log_dir=a.log_dir,
+                          ingest=a.ingest)
             results[b].append(res)
             print(f"{b}: round {r + 1}: p50 {res['p50']:.1f} ms, p90 {res['p90']:.1f} ms, "
                   f"p99 {res['p99']:.1f} ms, max {res['max']:.1f} ms, never seen {res['missing']}; "

@@ -487,7 +487,7 @@ impl Default for Ingest {
             rescan_interval_s: 3600,
             workers: 0,
             idle_close_s: 60,
-            manifest_cache_mb: 16,
+            manifest_cache_mb: 4,
         }
     }
 }

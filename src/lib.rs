@@ -20,8 +20,9 @@
 //! - [`output`]: rows -> per-split HDF5 files and npy memmaps; [`output::read`] reads them back
 //!   as a user's reader does (SWMR); [`output::direct`] keeps `rebuild`'s writes out of the page
 //!   cache;
-//! - the commands: [`rebuild`] (bulk into staging, swapped in by [`staging`]) and [`daemon`]
-//!   (the service: micro-batches, idle close, riding out write failures), [`status`], [`inspect`], [`demo`] with [`synth`], [`doctor`].
+//! - the commands: [`rebuild`] (bulk into staging, swapped in by [`staging`]) and [`service`]
+//!   (`run`: the event loop, the ingest worker, the micro-batching policy, riding out write
+//!   failures), [`status`], [`inspect`], [`demo`] with [`synth`], [`doctor`].
 //!
 //!   [`plot`] draws the pictures of `inspect` and `status`.
 //! - beyond one machine: [`shard`] (which recordings `rebuild --shard I/N` reads, by path) and
@@ -31,7 +32,6 @@
 //! Around them: [`config`], [`lock`] (one writer), [`migrate`] (schema versions), [`logging`],
 //! [`json`] (what `--json` prints).
 pub mod config;
-pub mod daemon;
 pub mod decode;
 pub mod demo;
 pub mod doctor;
@@ -43,6 +43,7 @@ pub mod inspect;
 pub mod json;
 pub mod lock;
 pub mod logging;
+pub mod memory;
 pub mod merge;
 pub mod metrics;
 pub mod migrate;
@@ -51,6 +52,7 @@ pub mod ownership;
 pub mod plot;
 pub mod rebuild;
 pub mod reload;
+pub mod service;
 pub mod shard;
 pub mod source;
 pub mod staging;

@@ -300,7 +300,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Run => {
             let s = load_settings(&cli)?;
             s.check_paths()?;
-            ailhd::daemon::run(s, cli.config.clone())
+            ailhd::service::run(s, cli.config.clone())
         }
     }
 }

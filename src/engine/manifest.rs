@@ -229,7 +229,7 @@ impl ManifestBatch {
 }
 
 /// Bytes of records sled keeps decoded in memory, per open manifest ([`set_cache_mb`]).
-static CACHE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(16 << 20);
+static CACHE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(4 << 20);
 
 /// The memory a manifest opened from now on may keep as a cache of its records
 /// (`ingest.manifest_cache_mb`). sled's own bookkeeping comes on top: about 0.4 KB per record

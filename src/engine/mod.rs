@@ -469,6 +469,12 @@ impl Engine {
         self.in_flight + self.lane.pending()
     }
 
+    /// Batches submitted and not yet durable (not counting large files still loading on the
+    /// lane): what the service's batching policy waits for.
+    pub fn batches_in_flight(&self) -> usize {
+        self.in_flight
+    }
+
     /// Settings that may change while running (SIGHUP); the rest need a restart.
     pub fn update_live_settings(&mut self, s: &Settings) {
         self.settings.ingest = s.ingest.clone();
@@ -897,7 +903,7 @@ impl Engine {
 /// recorded meanwhile is found unchanged when it is loaded.
 pub fn reconcile(settings: &Settings, manifest: &Manifest) -> anyhow::Result<Reconciliation> {
     let mut all = Reconciliation::default();
-    reconcile_with(settings, manifest, &mut |part| {
+    reconcile_with(settings, manifest, None, &mut |part| {
         all.changed.extend(part.changed);
         all.removed.extend(part.removed);
         all.rejected.extend(part.rejected);
@@ -966,9 +972,13 @@ const RECONCILE_REPORT_EVERY: std::time::Duration = std::time::Duration::from_mi
 /// What it costs grows with the tree (a listing, a pass over the records, a `stat` per file),
 /// but nothing waits for it: new recordings are handed on within the first pass, and the
 /// service keeps ingesting beside it.
+///
+/// `listed` is a listing of the tree made since its watches were set up (the service's start
+/// lists the tree while the engine opens); without one, the tree is listed here.
 pub fn reconcile_with(
     settings: &Settings,
     manifest: &Manifest,
+    listed: Option<Vec<crate::source::Found>>,
     emit: &mut dyn FnMut(Reconciliation),
 ) -> anyhow::Result<()> {
     let root = &settings.paths.recordings;
@@ -982,8 +992,14 @@ pub fn reconcile_with(
             (thread_cpu_seconds() - cpu) * 1e3
         )
     };
-    let found = crate::source::scan(root)?;
-    log::debug!("rescan: {} paths listed after {}", found.len(), took());
+    let found = match listed {
+        Some(found) => found,
+        None => {
+            let found = crate::source::scan(root)?;
+            log::debug!("rescan: {} paths listed after {}", found.len(), took());
+            found
+        }
+    };
     let mut part = Reconciliation::default();
     let mut last_emit = Instant::now();
     let mut flush = |part: &mut Reconciliation, force: bool| {
@@ -1156,7 +1172,7 @@ mod tests {
         std::fs::remove_file(s.paths.recordings.join(&recorded[4])).unwrap();
 
         let mut parts = Vec::new();
-        reconcile_with(&s, engine.manifest(), &mut |p| parts.push(p)).unwrap();
+        reconcile_with(&s, engine.manifest(), None, &mut |p| parts.push(p)).unwrap();
         // In the order handed on: both new paths before the changed one and the removal.
         let order: Vec<&String> = parts
             .iter()

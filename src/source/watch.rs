@@ -397,6 +397,13 @@ fn watch_tree(
             Err(e) if !is_root && is_not_found(&e) => continue,
             Err(e) => return Err(WatchError::from_notify(&dir, e)),
         }
+        // A folder's link count is 2 + its sub-folders on the usual Linux file systems (ext4,
+        // xfs, tmpfs): 2 means none, and its (often huge) listing is skipped. A sub-folder made
+        // after this is reported by the folder's watch, set up above. Other counts (btrfs and
+        // some FUSE file systems say 1) mean "unknown": listed.
+        if !is_root && has_no_subfolders(&dir) {
+            continue;
+        }
         let entries = match std::fs::read_dir(&dir) {
             Ok(entries) => entries,
             Err(e) if !is_root && e.kind() == io::ErrorKind::NotFound => continue,
@@ -420,6 +427,12 @@ fn watch_tree(
         }
     }
     Ok(dirs)
+}
+
+/// The folder's link count says it has no sub-folders (see [`watch_tree`]).
+fn has_no_subfolders(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir() && m.nlink() == 2)
 }
 
 fn is_not_found(err: &notify::Error) -> bool {

@@ -1,0 +1,475 @@
+//! `ailhd run`: the ingestion service. Two threads of control with one job each:
+//!
+//! - the event loop (tokio, this module) follows the tree (watch -> settle), signals (SIGTERM
+//!   drains and exits, SIGHUP reloads), timers (safety rescan, systemd watchdog) and tells
+//!   systemd how it is doing (READY, STATUS, STOPPING);
+//! - the ingest worker ([`worker`]: a thread driving the [`Engine`]: manifest, outputs, warm
+//!   featuriser) gathers complete files into micro-batches by the rules of [`batch`] (the cap,
+//!   a removal held for its arrival, group commit) and hands them to the engine, whose stages
+//!   overlap: the next batch loads while the previous one is featurised and committed. It keeps
+//!   the status snapshot ([`snapshot`]).
+//!
+//! Shutdown comes in as a future, so tests stop the service the way systemd does.
+
+pub mod batch;
+mod snapshot;
+mod worker;
+
+use crate::config::Settings;
+use crate::engine::manifest::now_ms;
+use crate::engine::outcome::{Observation, Reason};
+use crate::engine::{Done, Engine, Input, Reconciliation};
+use crate::lock::WriterLocks;
+use crate::source::settle::{PendingFile, Settled, Settler};
+use crate::source::watch::{WatchEvent, Watcher};
+use crate::source::{self, Found};
+use anyhow::Context;
+use sd_notify::NotifyState;
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Entry point of `ailhd run`: a runtime, the service, and the process signals as shutdown.
+pub fn run(settings: Settings, config_path: Option<PathBuf>) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the event loop")?;
+    rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let shutdown = async move {
+            tokio::select! {
+                _ = term.recv() => log::info!("SIGTERM: draining and stopping"),
+                _ = tokio::signal::ctrl_c() => log::info!("interrupted: draining and stopping"),
+            }
+        };
+        serve(settings, config_path, shutdown).await
+    })
+}
+
+/// What the worker is asked to do.
+enum Work {
+    Op(Input),
+    /// Compare the whole tree with the manifest (start-up, overflow, periodic).
+    Rescan,
+    Reload(Box<Settings>),
+}
+
+/// What the worker tells the event loop.
+enum Report {
+    Reconciled(Reconciliation),
+    Batch(Done),
+}
+
+/// State shared with the worker for `status` and the watchdog.
+#[derive(Default)]
+struct Shared {
+    /// Files touched and not yet complete (the settle stage), for the queue depth.
+    settling: AtomicUsize,
+    /// Complete files waiting for the worker.
+    queued: AtomicUsize,
+    /// Last time the worker was seen making progress or idle (ms since the epoch).
+    alive_ms: AtomicI64,
+    /// Files waiting to be complete (the settle stage's list, refreshed now and then).
+    pending: Mutex<Vec<PendingFile>>,
+    /// Set while writing fails (for systemd's STATUS=).
+    fault: Mutex<Option<String>>,
+    /// Folders the watcher could not watch (limits), with why.
+    unwatched: Mutex<Vec<(PathBuf, String)>>,
+}
+
+pub async fn serve(
+    settings: Settings,
+    config_path: Option<PathBuf>,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    for p in crate::staging::remove_stale(&settings)? {
+        log::warn!("removed {}, left by an interrupted rebuild", p.display());
+    }
+    let _lock = WriterLocks::acquire(&settings, "run")?;
+    crate::engine::manifest::set_cache_mb(settings.ingest.manifest_cache_mb);
+    let _metrics = crate::metrics::Exporter::start(&settings.metrics)?;
+    let root = std::path::absolute(&settings.paths.recordings)?;
+    let (watch_tx, mut watch_rx) = mpsc::unbounded_channel::<WatchEvent>();
+    let (engine, watcher, listed) = open_and_watch(&settings, &root, watch_tx)?;
+    let device = engine
+        .as_ref()
+        .map_or_else(|_| "-".to_string(), |e| e.device().to_string());
+    crate::metrics::device(&device);
+
+    let shared = Arc::new(Shared::default());
+    shared.alive_ms.store(now_ms(), Ordering::Relaxed);
+    let (work_tx, work_rx) = crossbeam_channel::unbounded::<Work>();
+    let (report_tx, mut report_rx) = mpsc::unbounded_channel::<Report>();
+    let worker = {
+        let shared = shared.clone();
+        let settings = settings.clone();
+        std::thread::Builder::new()
+            .name("ailhd-ingest".into())
+            .spawn(move || {
+                worker::worker_loop(engine, listed, settings, work_rx, report_tx, shared)
+            })?
+    };
+    *shared.unwatched.lock().unwrap_or_else(|e| e.into_inner()) = watcher.unwatched();
+    let mut ev = EventLoop {
+        settler: new_settler(&settings),
+        next_rescan: rescan_deadline(&settings),
+        root,
+        settings,
+        config_path,
+        strong_at: HashMap::new(),
+        work_tx,
+        shared,
+        watcher,
+        ingested: 0,
+        pending_listed: Instant::now(),
+        device,
+    };
+    ev.send(Work::Rescan);
+    log::info!(
+        "watching {} on {}; outputs in {}",
+        ev.root.display(),
+        ev.device,
+        ev.settings.paths.output.display()
+    );
+    let _ = sd_notify::notify(&[
+        NotifyState::Ready,
+        NotifyState::Status(&format!("watching, on {}", ev.device)),
+    ]);
+
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    let watchdog = sd_notify::watchdog_enabled();
+    tokio::pin!(shutdown);
+    let mut watchdog_tick =
+        tokio::time::interval(watchdog.map(|d| d / 2).unwrap_or(Duration::from_secs(3600)));
+    let mut unwatched_tick = tokio::time::interval(UNWATCHED_RETRY);
+    loop {
+        let settle_at = ev.settler.next_deadline();
+        let rescan_at = ev.next_rescan;
+        tokio::select! {
+            _ = &mut shutdown => break,
+            _ = hup.recv() => ev.reload(),
+            event = watch_rx.recv() => {
+                let Some(event) = event else { anyhow::bail!("the watcher stopped unexpectedly") };
+                ev.on_watch(event);
+            }
+            _ = sleep_until(settle_at) => ev.settle().await?,
+            report = report_rx.recv() => {
+                let Some(report) = report else {
+                    anyhow::bail!("the ingest worker stopped: see the error above")
+                };
+                ev.on_report(report);
+            }
+            _ = sleep_until(rescan_at) => {
+                ev.send(Work::Rescan);
+                ev.next_rescan = rescan_deadline(&ev.settings);
+            }
+            _ = unwatched_tick.tick() => ev.retry_unwatched(),
+            _ = watchdog_tick.tick(), if watchdog.is_some() => feed_watchdog(&ev.shared, watchdog),
+        }
+        ev.tell_systemd();
+    }
+
+    let _ = sd_notify::notify(&[NotifyState::Stopping]);
+    let EventLoop {
+        watcher, work_tx, ..
+    } = ev;
+    watcher.stop();
+    drop(work_tx);
+    // The worker drains what is queued, commits, closes the outputs.
+    let joined = tokio::task::spawn_blocking(move || worker.join()).await?;
+    match joined {
+        Ok(result) => result,
+        Err(_) => anyhow::bail!("the ingest worker panicked"),
+    }
+}
+
+/// Open the engine (manifest, outputs, featuriser) while the watches are set up and the tree
+/// is listed for the first comparison with the manifest: the three are the start-up's longest
+/// steps on a large tree, and only the listing needs another (the watches, so that nothing falls
+/// between the two). A full or failing disk does not stop the service from starting (the
+/// engine's error goes to the worker, which says so and retries); anything else (outputs of
+/// other feature settings, say) is an error. A listing that fails is made again, and its error
+/// reported, by the rescan.
+type Started = (
+    anyhow::Result<Engine>,
+    Watcher,
+    Option<Vec<crate::source::Found>>,
+);
+
+fn open_and_watch(
+    settings: &Settings,
+    root: &Path,
+    watch_tx: mpsc::UnboundedSender<WatchEvent>,
+) -> anyhow::Result<Started> {
+    let (engine, watcher, listed) = std::thread::scope(|scope| {
+        let engine = scope.spawn(|| Engine::open_live(settings, settings.ingest.device));
+        let watcher = Watcher::start(root, watch_tx);
+        let t = Instant::now();
+        let listed = watcher
+            .is_ok()
+            .then(|| crate::source::scan(root).ok())
+            .flatten();
+        if let Some(found) = &listed {
+            log::debug!(
+                "start: {} paths listed in {:.0} ms, beside the engine's opening",
+                found.len(),
+                t.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        let engine = engine.join().expect("opening the engine panicked");
+        (engine, watcher, listed)
+    });
+    let engine = match engine {
+        Err(e) if !crate::engine::may_pass(&e) => return Err(e),
+        other => other,
+    };
+    Ok((engine, watcher?, listed))
+}
+
+fn new_settler(settings: &Settings) -> Settler {
+    Settler::new(
+        Duration::from_millis(settings.ingest.settle_ms),
+        Duration::from_secs(settings.ingest.quarantine_after_s),
+    )
+}
+
+/// Fed only while the worker makes progress (or waits idle).
+fn feed_watchdog(shared: &Shared, watchdog: Option<Duration>) {
+    let Some(limit) = watchdog else { return };
+    let age = now_ms() - shared.alive_ms.load(Ordering::Relaxed);
+    if (age as u128) < limit.as_millis() {
+        let _ = sd_notify::notify(&[NotifyState::Watchdog]);
+    } else {
+        log::error!("ingest worker has made no progress for {age} ms; not feeding the watchdog");
+    }
+}
+
+/// The event loop's state: the tree as the watcher and the settle stage see it, and what it
+/// has handed to the worker.
+struct EventLoop {
+    root: PathBuf,
+    settings: Settings,
+    config_path: Option<PathBuf>,
+    settler: Settler,
+    /// When a strong event (a close after writing, a rename into the tree) saw each file: its
+    /// latency clock.
+    strong_at: HashMap<PathBuf, Instant>,
+    work_tx: crossbeam_channel::Sender<Work>,
+    shared: Arc<Shared>,
+    watcher: Watcher,
+    ingested: u64,
+    pending_listed: Instant,
+    next_rescan: Option<Instant>,
+    device: String,
+}
+
+impl EventLoop {
+    fn send(&self, w: Work) {
+        if matches!(w, Work::Op(Input::Load { .. })) {
+            self.shared.queued.fetch_add(1, Ordering::Relaxed);
+        }
+        let _ = self.work_tx.send(w);
+    }
+
+    fn observe(&self, o: Observation) {
+        self.send(Work::Op(Input::Observe(o)));
+    }
+
+    /// SIGHUP: read the configuration again; only `[ingest]` changes live.
+    fn reload(&mut self) {
+        let new = match Settings::load(self.config_path.as_deref()) {
+            Ok(new) => new,
+            Err(e) => {
+                log::error!("reload refused, keeping the running configuration: {e}");
+                crate::reload::record(&self.settings, false, &e.to_string());
+                return;
+            }
+        };
+        let s = &self.settings;
+        if new.paths != s.paths
+            || new.features != s.features
+            || new.labels != s.labels
+            || new.splits != s.splits
+            || new.outputs != s.outputs
+            || new.gpu != s.gpu
+        {
+            log::warn!("reload: only [ingest] settings change live; paths, labels, splits, features, outputs and gpu need a restart (and features a rebuild)");
+        }
+        self.settler = new_settler(&new);
+        self.send(Work::Rescan); // what was settling is picked up again by the rescan
+        self.settings.ingest = new.ingest.clone();
+        // For the manifest opened next (after an idle close, say).
+        crate::engine::manifest::set_cache_mb(self.settings.ingest.manifest_cache_mb);
+        self.next_rescan = rescan_deadline(&self.settings);
+        self.send(Work::Reload(Box::new(new)));
+        log::info!("configuration reloaded");
+        crate::reload::record(&self.settings, true, "configuration reloaded");
+    }
+
+    fn on_watch(&mut self, event: WatchEvent) {
+        match event {
+            WatchEvent::Touched { path, kind } => match source::classify_path(&self.root, &path) {
+                Some(Found::Recording(_)) => {
+                    if kind.is_strong() {
+                        self.strong_at.insert(path.clone(), Instant::now());
+                    }
+                    self.settler.note(&path, kind.is_strong(), Instant::now());
+                }
+                // A link or a non-UTF-8 name: quarantined at once.
+                Some(Found::Rejected { rel, reason }) => self.observe(Observation::Rejected {
+                    rel,
+                    reason,
+                    size: 0,
+                    mtime_ns: 0,
+                }),
+                None => {}
+            },
+            WatchEvent::Removed(path) => {
+                self.settler.forget(&path);
+                self.strong_at.remove(&path);
+                // Often half of a move: the worker holds it for its arrival (see batch).
+                self.observe(Observation::Gone(lossy(&path)));
+            }
+            WatchEvent::RemovedDir(path) => self.observe(Observation::FolderGone(lossy(&path))),
+            WatchEvent::Rescan { reason } => {
+                log::warn!("rescanning the whole tree: {reason}");
+                self.send(Work::Rescan);
+            }
+        }
+    }
+
+    /// Probe the files whose settle time has come (off the event loop's thread: probes touch
+    /// the disk) and hand on those that are complete.
+    async fn settle(&mut self) -> anyhow::Result<()> {
+        let now = Instant::now();
+        let root = self.root.clone();
+        let mut settler = std::mem::replace(&mut self.settler, new_settler(&self.settings));
+        let (settler, decisions) = tokio::task::spawn_blocking(move || {
+            let decisions = settler.poll(now, |p| source::probe(&root, p));
+            (settler, decisions)
+        })
+        .await?;
+        self.settler = settler;
+        for decision in decisions {
+            match decision {
+                Settled::Ready { path, .. } => {
+                    let seen = self.strong_at.remove(&path).unwrap_or(now);
+                    if let Some(rel) = rel_str(&path) {
+                        self.send(Work::Op(Input::Load {
+                            rel,
+                            seen: Some(seen),
+                        }));
+                    }
+                }
+                Settled::Quarantine {
+                    path,
+                    after_s,
+                    detail,
+                } => {
+                    self.strong_at.remove(&path);
+                    let (size, mtime_ns) = std::fs::symlink_metadata(self.root.join(&path))
+                        .map(|m| (m.len(), crate::engine::stages::mtime_ns(&m)))
+                        .unwrap_or((0, 0));
+                    self.observe(Observation::Rejected {
+                        rel: lossy(&path),
+                        reason: Reason::StillIncomplete { after_s, detail },
+                        size,
+                        mtime_ns,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn on_report(&mut self, report: Report) {
+        match report {
+            Report::Reconciled(r) => {
+                let now = Instant::now();
+                // Found by a listing, not by an event: probed at once, and ready at once when
+                // nothing has written it for a settle period (see Settler::found).
+                for rel in r.changed {
+                    self.settler
+                        .found(Path::new(&rel), now, std::time::SystemTime::now());
+                }
+                for rel in r.removed {
+                    self.observe(Observation::Gone(rel));
+                }
+                for o in r.rejected {
+                    self.observe(o);
+                }
+            }
+            Report::Batch(done) => {
+                self.ingested += (done.counts.new_rows + done.counts.attached) as u64;
+                for rel in done.reread {
+                    self.send(Work::Op(Input::Load { rel, seen: None }));
+                }
+            }
+        }
+    }
+
+    /// Folders a watch limit left unwatched: try again, and rescan meanwhile (after a success
+    /// too: their events until now were missed).
+    fn retry_unwatched(&mut self) {
+        if !self.watcher.unwatched().is_empty() {
+            self.watcher.retry_unwatched();
+            *self
+                .shared
+                .unwatched
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = self.watcher.unwatched();
+            self.send(Work::Rescan);
+        }
+    }
+
+    /// The queue and the settle stage's list for `status`, and systemd's STATUS= line.
+    fn tell_systemd(&mut self) {
+        let shared = &self.shared;
+        shared.settling.store(self.settler.len(), Ordering::Relaxed);
+        if self.pending_listed.elapsed() > Duration::from_millis(500) {
+            let mut list = self.settler.pending();
+            list.truncate(200);
+            *shared.pending.lock().unwrap_or_else(|e| e.into_inner()) = list;
+            let unwatched = self.watcher.unwatched();
+            crate::metrics::unwatched(unwatched.len());
+            *shared.unwatched.lock().unwrap_or_else(|e| e.into_inner()) = unwatched;
+            self.pending_listed = Instant::now();
+        }
+        let queue = self.settler.len() + shared.queued.load(Ordering::Relaxed);
+        let (ingested, device) = (self.ingested, &self.device);
+        let text = match &*shared.fault.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => format!("WRITING FAILS, retrying: {e}; queue {queue}, ingested {ingested}"),
+            None => format!("queue {queue}, ingested {ingested}, on {device}"),
+        };
+        let _ = sd_notify::notify(&[NotifyState::Status(&text)]);
+    }
+}
+
+/// How often folders a watch limit left unwatched are retried (and the tree rescanned).
+const UNWATCHED_RETRY: Duration = Duration::from_secs(10);
+
+fn rescan_deadline(settings: &Settings) -> Option<Instant> {
+    (settings.ingest.rescan_interval_s > 0)
+        .then(|| Instant::now() + Duration::from_secs(settings.ingest.rescan_interval_s))
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn rel_str(path: &Path) -> Option<String> {
+    crate::identity::rel_string(path).ok()
+}
+
+/// A relative path as the manifest keys it (lossy only for names that are not UTF-8).
+fn lossy(path: &Path) -> String {
+    rel_str(path).unwrap_or_else(|| path.to_string_lossy().to_string())
+}

@@ -1,0 +1,640 @@
+//! The ingest worker: a thread that drives the [`Engine`]. It gathers what the event loop hands
+//! it into micro-batches by the rules of [`super::batch`], closes the outputs when idle (plain
+//! readers open them then), and rides out failures to write: it says so, backs off, probes the
+//! disk, reopens, and compares the tree with the manifest again, which finds whatever was
+//! dropped meanwhile.
+
+use super::batch::{Batcher, Load, Next, Policy};
+use super::snapshot::Recent;
+use super::{Report, Shared, Work};
+use crate::config::Settings;
+use crate::engine::manifest::now_ms;
+use crate::engine::{Done, Engine, Input};
+use crate::status;
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// A failure to write (disk full, I/O error, the featuriser failing) the worker is riding out.
+pub(super) struct Fault {
+    pub(super) since_ms: i64,
+    pub(super) error: String,
+    /// The next attempt to reopen the outputs.
+    pub(super) retry_at: Instant,
+    /// Writing failed (not the featuriser): the disk is probed every second ([`disk_answers`]),
+    /// and the next attempt comes as soon as a probe that failed succeeds again, not only at
+    /// `retry_at` (which grows to 30 s while attempts fail).
+    pub(super) disk: bool,
+    /// A probe failed since the last attempt.
+    pub(super) probe_failed: bool,
+}
+
+/// Replace this process with a fresh image of itself (same PID, arguments and environment):
+/// how the service reopens its HDF5 files after a failed write (see
+/// [`crate::output::hdf5::failed_in_this_process`]). What was not committed is lost as in a
+/// kill, and found again by the start's comparison of the tree with the manifest; descriptors
+/// (the writer locks among them) close on exec. Returns only if the exec fails.
+fn reexec() {
+    use std::os::unix::process::CommandExt;
+    log::warn!(
+        "the disk answers again: restarting the service's process to reopen its HDF5 files (an HDF5 file cannot be reopened safely in a process where writing it failed)"
+    );
+    let e = std::process::Command::new("/proc/self/exe")
+        .args(std::env::args_os().skip(1))
+        .exec();
+    log::error!("cannot restart the process ({e}); reopening in place");
+}
+
+/// Whether the output and state folders take a small synced write now: a probe file written,
+/// synced and removed in each.
+fn disk_answers(settings: &Settings) -> bool {
+    [&settings.paths.output, &settings.paths.state]
+        .iter()
+        .all(|dir| {
+            let probe = dir.join(".ailhd-probe");
+            let ok = std::fs::write(&probe, b"probe")
+                .and_then(|()| std::fs::File::open(&probe)?.sync_all())
+                .is_ok();
+            let _ = std::fs::remove_file(&probe);
+            ok
+        })
+}
+
+/// The ingest worker: drives the engine, closes it when idle, and rides out write failures.
+pub(super) struct Worker {
+    pub(super) settings: Settings,
+    pub(super) shared: Arc<Shared>,
+    pub(super) report: mpsc::UnboundedSender<Report>,
+    /// None while closed (idle, or after a failure).
+    pub(super) engine: Option<Engine>,
+    /// The warm featuriser of a closed engine.
+    pub(super) warm: Option<Box<dyn crate::features::Featuriser>>,
+    /// The manifest of an engine abandoned after a failure, kept for the next open (dropping
+    /// it while the disk fails is what sled handles worst).
+    pub(super) kept_manifest: Option<Arc<crate::engine::manifest::Manifest>>,
+    /// The last status snapshot could not be written to the state folder (warned once).
+    pub(super) snapshot_failing: bool,
+    /// The comparison of the tree with the manifest, running beside the ingest on a thread of
+    /// its own (start-up, periodic rescans): new recordings are taken meanwhile.
+    pub(super) reconciling: Option<std::thread::JoinHandle<()>>,
+    /// A rescan was asked for while one ran: run another when it ends.
+    pub(super) rescan_again: bool,
+    /// When the disk was last probed while writing failed.
+    pub(super) last_probe: Instant,
+    pub(super) fault: Option<Fault>,
+    /// Failures since the last batch committed: the backoff grows with them.
+    pub(super) failures: u32,
+    /// Changes dropped while writing failed: the rescan after recovery finds them again.
+    pub(super) dropped: usize,
+    pub(super) recent: Recent,
+    pub(super) ingested: u64,
+    /// The manifest's part of the last snapshot (kept while the engine is closed).
+    pub(super) last_report: status::StatusReport,
+    /// The label names as of the last snapshot (every one gets an `ailhd_rows` series).
+    pub(super) labels: Vec<String>,
+    pub(super) dirty: bool,
+    pub(super) last_snapshot: Instant,
+    pub(super) snapshot_cost: Duration,
+    pub(super) last_work: Instant,
+    pub(super) device: String,
+    /// The start's listing of the tree, made while the engine opened: the first rescan's.
+    pub(super) listed: Option<Vec<crate::source::Found>>,
+}
+
+impl Worker {
+    /// Backoff before reopening after the n-th failure in a row: 1, 2, 4 ... 30 s.
+    fn backoff(failures: u32) -> Duration {
+        Duration::from_secs((1u64 << failures.saturating_sub(1).min(5)).min(30))
+    }
+
+    /// Open the engine if it is closed, with the warm featuriser when there is one.
+    fn open(&mut self) -> anyhow::Result<&mut Engine> {
+        if self.engine.is_none() && crate::output::hdf5::failed_in_this_process() {
+            // Never reopen in place after a failed HDF5 call (see `reexec`).
+            if !disk_answers(&self.settings) {
+                anyhow::bail!("the output or state folder does not take a synced write yet");
+            }
+            reexec();
+        }
+        if self.engine.is_none() {
+            let warm = match self.warm.take() {
+                Some(f) => crate::engine::Warm::Keep(f),
+                None => crate::engine::Warm::Build(self.settings.ingest.device),
+            };
+            let engine = Engine::open_live_with(&self.settings, warm, self.kept_manifest.take())?;
+            self.device = engine.device().to_string();
+            crate::metrics::outputs_open(true);
+            self.engine = Some(engine);
+        }
+        Ok(self.engine.as_mut().expect("opened above"))
+    }
+
+    /// Writing failed: drop what is in flight (nothing of it was recorded, the outputs are cut
+    /// back to their committed rows), report, and retry later.
+    fn fail(&mut self, e: anyhow::Error) {
+        // The first failure since a batch last committed (a retry that reopens the outputs and
+        // then fails at the next batch, as a broken featuriser does, is the same failure).
+        let first = self.failures == 0;
+        self.failures += 1;
+        let wait = Self::backoff(self.failures);
+        let error = format!("{e:#}");
+        // What failed, as the log says it and as the errors metric counts it.
+        let (what, metric) = match e.downcast_ref::<crate::engine::FeaturiserFailed>() {
+            Some(_) => ("featurising", "featurise"),
+            None => ("writing", "write"),
+        };
+        let recorded = if e
+            .downcast_ref::<crate::engine::commit::Unpublished>()
+            .is_some()
+        {
+            "the batch's rows are on disk and the reopen publishes them if the manifest recorded the batch"
+        } else {
+            "nothing of the batch was recorded"
+        };
+        // Said before anything is closed: closing may fail too, and takes time.
+        crate::metrics::write_failing(true);
+        if first {
+            log::error!(
+                "{what} failed, {recorded}: {error}; the service stays up and tries again in {} s",
+                wait.as_secs()
+            );
+            crate::metrics::error(metric);
+            self.recent.push_error(format!("{what}: {error}"));
+        } else {
+            log::warn!(
+                "{what} still fails: {error}; next try in {} s",
+                wait.as_secs()
+            );
+        }
+        let since_ms = self.fault.as_ref().map_or(now_ms(), |f| f.since_ms);
+        *self.shared.fault.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
+        self.fault = Some(Fault {
+            since_ms,
+            error,
+            retry_at: Instant::now() + wait,
+            disk: metric == "write",
+            probe_failed: false,
+        });
+        // Roll back: what is in flight is dropped (its sinks cut to their committed rows, as
+        // far as the disk lets them; the next open does the rest). The recovery rescans.
+        self.end_reconcile();
+        self.rescan_again = false;
+        self.listed = None; // the recovery lists the tree again
+        if let Some(engine) = self.engine.take() {
+            let (warm, manifest) = engine.abandon();
+            self.warm = warm;
+            self.kept_manifest = Some(manifest);
+        }
+        crate::metrics::outputs_open(false);
+        self.dirty = true;
+        self.snapshot();
+    }
+
+    /// Reopen after a failure; on success, compare the tree with the manifest, which finds
+    /// every change dropped meanwhile.
+    fn retry(&mut self) {
+        let result = self.open().and_then(|engine| engine.reconcile());
+        match result {
+            Ok(r) => {
+                if !r.changed.is_empty() || !r.removed.is_empty() {
+                    log::info!(
+                        "rescan: {} new or changed, {} gone",
+                        r.changed.len(),
+                        r.removed.len()
+                    );
+                }
+                let f = self.fault.take().expect("retrying a fault");
+                *self.shared.fault.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                crate::metrics::write_failing(false);
+                log::warn!(
+                    "writing works again after {:.0} s; {} changes seen meanwhile are taken up again",
+                    (now_ms() - f.since_ms) as f64 / 1e3,
+                    self.dropped
+                );
+                self.dropped = 0;
+                let _ = self.report.send(Report::Reconciled(r));
+                self.dirty = true;
+            }
+            Err(e) => self.fail(e),
+        }
+    }
+
+    /// Compare the tree with the manifest on a thread of its own, at a lower CPU priority,
+    /// while recordings keep arriving; what it finds reaches the event loop, which hands it on
+    /// by the same rules as the watcher's events. One at a time: asked again meanwhile, it runs
+    /// again once this one ends.
+    fn start_reconcile(&mut self) {
+        if self.reconciling.as_ref().is_some_and(|h| !h.is_finished()) {
+            self.rescan_again = true;
+            return;
+        }
+        self.rescan_again = false;
+        self.end_reconcile();
+        let manifest = match self.open() {
+            Ok(engine) => engine.manifest_handle(),
+            Err(e) => return self.fail(e),
+        };
+        let settings = self.settings.clone();
+        let report = self.report.clone();
+        let listed = self.listed.take();
+        let spawned = std::thread::Builder::new()
+            .name("ailhd-rescan".into())
+            .spawn(move || {
+                // SAFETY: plain system calls about the calling thread.
+                unsafe {
+                    let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                    libc::setpriority(libc::PRIO_PROCESS, tid, 10);
+                }
+                // What it finds goes on at once, part by part: new recordings first.
+                let (mut changed, mut gone) = (0, 0);
+                let result =
+                    crate::engine::reconcile_with(&settings, &manifest, listed, &mut |part| {
+                        changed += part.changed.len();
+                        gone += part.removed.len();
+                        let _ = report.send(Report::Reconciled(part));
+                    });
+                match result {
+                    Ok(()) => {
+                        if changed > 0 || gone > 0 {
+                            log::info!("rescan: {changed} new or changed, {gone} gone");
+                        }
+                    }
+                    Err(e) => {
+                        log::error!("rescan failed: {e:#}");
+                        crate::metrics::error("rescan");
+                    }
+                }
+                // The listing of the whole tree is freed: give its pages back.
+                crate::memory::release_free_memory();
+            });
+        match spawned {
+            Ok(h) => self.reconciling = Some(h),
+            Err(e) => log::error!("rescan failed: cannot start its thread: {e}"),
+        }
+    }
+
+    /// Wait for a running rescan (before the manifest is closed).
+    fn end_reconcile(&mut self) {
+        if let Some(h) = self.reconciling.take() {
+            let _ = h.join();
+        }
+    }
+
+    /// Idle long enough: commit, close the files cleanly (plain readers open them), keep the
+    /// featuriser warm for the next file.
+    fn close_idle(&mut self) {
+        // The manifest is closed with the engine: no rescan may hold it.
+        self.end_reconcile();
+        self.snapshot();
+        let Some(engine) = self.engine.take() else {
+            return;
+        };
+        match engine.suspend() {
+            Ok(f) => {
+                self.warm = Some(f);
+                crate::metrics::outputs_open(false);
+                log::info!(
+                    "idle for {} s: outputs closed (plain HDF5 readers open them); the next file reopens them",
+                    self.settings.ingest.idle_close_s
+                );
+                self.dirty = true;
+                self.snapshot();
+            }
+            Err(e) => self.fail(e),
+        }
+    }
+
+    /// What the engine reports done: figures for `status`, rereads, the queue depth.
+    fn on_done(&mut self, done: Done) {
+        self.failures = 0;
+        let n = (done.counts.new_rows + done.counts.attached) as u64;
+        self.ingested += n;
+        crate::metrics::file_ingested(n);
+        for l in &done.latencies {
+            self.recent.push_latency(l.as_secs_f64() * 1e3);
+            crate::metrics::commit_latency(l.as_secs_f64());
+        }
+        for (rel, reason) in &done.quarantined {
+            crate::metrics::file_quarantined(&reason.to_string());
+            log::warn!(file = rel.as_str(), reason = reason.to_string().as_str(); "quarantined {rel}: {reason}");
+            self.recent.push_error(format!("{rel}: {reason}"));
+        }
+        log::debug!(
+            "batch: {} new rows, {} attached, {} unchanged, {} removed, {} quarantined",
+            done.counts.new_rows,
+            done.counts.attached,
+            done.counts.unchanged,
+            done.counts.removed,
+            done.counts.quarantined
+        );
+        let _ = self.report.send(Report::Batch(done));
+        self.dirty = true;
+    }
+
+    fn in_flight(&self) -> usize {
+        self.engine.as_ref().map_or(0, |e| e.in_flight())
+    }
+
+    fn take_completed(&mut self) {
+        let Some(engine) = self.engine.as_mut() else {
+            return;
+        };
+        match engine.completed() {
+            Ok(done) => done.into_iter().for_each(|d| self.on_done(d)),
+            Err(e) => self.fail(e),
+        }
+    }
+
+    fn wait_all(&mut self) -> bool {
+        let Some(engine) = self.engine.as_mut() else {
+            return self.fault.is_none();
+        };
+        match engine.wait() {
+            Ok(done) => {
+                done.into_iter().for_each(|d| self.on_done(d));
+                true
+            }
+            Err(e) => {
+                self.fail(e);
+                false
+            }
+        }
+    }
+}
+
+impl Worker {
+    fn new(
+        engine: anyhow::Result<Engine>,
+        listed: Option<Vec<crate::source::Found>>,
+        settings: Settings,
+        report: mpsc::UnboundedSender<Report>,
+        shared: Arc<Shared>,
+    ) -> Worker {
+        let labels = settings.labels.names.clone();
+        let mut w = Worker {
+            device: engine
+                .as_ref()
+                .map_or_else(|_| "-".to_string(), |e| e.device().to_string()),
+            settings,
+            shared,
+            report,
+            engine: None,
+            warm: None,
+            kept_manifest: None,
+            snapshot_failing: false,
+            reconciling: None,
+            rescan_again: false,
+            last_probe: Instant::now(),
+            fault: None,
+            failures: 0,
+            dropped: 0,
+            recent: Recent::default(),
+            ingested: 0,
+            last_report: status::StatusReport::default(),
+            labels,
+            dirty: true,
+            last_snapshot: Instant::now() - Duration::from_secs(3600),
+            snapshot_cost: Duration::ZERO,
+            last_work: Instant::now(),
+            listed,
+        };
+        match engine {
+            Ok(e) => {
+                crate::metrics::outputs_open(true);
+                w.engine = Some(e);
+            }
+            // Only a full or failing disk gets here (serve() stops on anything else): wait for it.
+            Err(e) => w.fail(e),
+        }
+        w
+    }
+
+    /// Between two waits: take the engine's finished batches, start a rescan that was asked
+    /// for meanwhile, retry after a failure when it is time.
+    fn tick(&mut self) {
+        self.shared.alive_ms.store(now_ms(), Ordering::Relaxed);
+        self.take_completed();
+        if self.rescan_again
+            && self.fault.is_none()
+            && self.reconciling.as_ref().is_none_or(|h| h.is_finished())
+        {
+            self.start_reconcile();
+        }
+        let due = match &mut self.fault {
+            Some(f) if Instant::now() >= f.retry_at => true,
+            Some(f) if f.disk && self.last_probe.elapsed() >= Duration::from_secs(1) => {
+                self.last_probe = Instant::now();
+                let answers = disk_answers(&self.settings);
+                let back = answers && f.probe_failed;
+                f.probe_failed = !answers;
+                back
+            }
+            _ => false,
+        };
+        if due {
+            self.retry();
+        }
+    }
+
+    /// What the batching policy needs to know of the engine and the event loop.
+    fn load(&self) -> Load {
+        Load {
+            in_flight: self.engine.as_ref().map_or(0, |e| e.batches_in_flight()),
+            settling: self.shared.settling.load(Ordering::Relaxed),
+        }
+    }
+
+    /// How long to wait for the next work, given what the batch being gathered waits for.
+    fn wait(&self, next: Next) -> Duration {
+        let in_flight = self.in_flight() > 0;
+        match next {
+            // Batches in flight: look again soon, so that their figures come in promptly and
+            // a batch waiting for them closes once they are done.
+            Next::WaitUntil(t) if in_flight => t
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(1)),
+            Next::WaitUntil(t) => t.saturating_duration_since(Instant::now()),
+            _ if in_flight => Duration::from_millis(5),
+            _ => match &self.fault {
+                Some(f) => f
+                    .retry_at
+                    .saturating_duration_since(Instant::now())
+                    .min(Duration::from_secs(1)),
+                None => Duration::from_secs(1),
+            },
+        }
+    }
+
+    /// Gather `op` into the batch, unless nothing can be written now (the rescan after the
+    /// recovery takes it up again).
+    fn gather(&mut self, op: Input, batch: &mut Batcher) {
+        self.last_work = Instant::now();
+        if self.fault.is_some() {
+            if matches!(op, Input::Load { .. }) {
+                self.unqueue(1);
+            }
+            self.dropped += 1;
+            return;
+        }
+        batch.push(op, Instant::now());
+    }
+
+    fn unqueue(&self, loads: usize) {
+        let queued = &self.shared.queued;
+        queued.fetch_sub(loads.min(queued.load(Ordering::Relaxed)), Ordering::Relaxed);
+    }
+
+    /// Hand a closed batch to the engine.
+    fn submit(&mut self, ops: Vec<Input>) {
+        if ops.is_empty() {
+            return;
+        }
+        self.unqueue(
+            ops.iter()
+                .filter(|o| matches!(o, Input::Load { .. }))
+                .count(),
+        );
+        let n_ops = ops.len();
+        if let Err(e) = self.open().and_then(|engine| engine.submit(ops)) {
+            self.dropped += n_ops;
+            self.fail(e);
+        }
+        self.dirty = true;
+    }
+
+    /// Nothing arrived and nothing is gathered: a good moment for the status snapshot, or to
+    /// close the files.
+    fn on_idle(&mut self) {
+        if self.in_flight() > 0 {
+            // Never block on the engine here: new files must be taken at once.
+            return;
+        }
+        if self.dirty {
+            self.snapshot();
+            crate::memory::release_free_memory();
+        }
+        let idle_close = self.settings.ingest.idle_close_s;
+        if self.engine.is_some()
+            && idle_close > 0
+            && self.last_work.elapsed() >= Duration::from_secs(idle_close)
+        {
+            self.close_idle();
+        }
+    }
+
+    /// Work that is not a recording's: a rescan, a reload.
+    fn handle(&mut self, work: Work, batch: &mut Batcher) {
+        match work {
+            Work::Op(op) => self.gather(op, batch),
+            Work::Rescan => {
+                self.dirty = true;
+                if self.fault.is_none() {
+                    self.start_reconcile(); // else the recovery rescans
+                }
+            }
+            Work::Reload(new) => {
+                if let Some(engine) = self.engine.as_mut() {
+                    engine.update_live_settings(&new);
+                }
+                batch.set_policy(Policy::from_settings(&new.ingest));
+                self.settings.ingest = new.ingest.clone();
+            }
+        }
+    }
+
+    /// The channel closed (shutdown): drain, commit, close the outputs, keep the report.
+    fn stop(mut self) -> anyhow::Result<()> {
+        self.end_reconcile();
+        self.wait_all();
+        self.snapshot();
+        if let Some(f) = &self.fault {
+            log::warn!(
+                "stopping while writing fails ({}): what was not recorded is ingested at the next start",
+                f.error
+            );
+        }
+        let Some(engine) = self.engine.take() else {
+            return Ok(());
+        };
+        let stages: Vec<String> = engine
+            .times()
+            .seconds()
+            .iter()
+            .map(|(k, v)| format!("{k} {v:.3}s"))
+            .collect();
+        log::info!(
+            "stopping: {} files ingested this run; time per stage: {}",
+            self.ingested,
+            stages.join(", ")
+        );
+        engine.finish()?;
+        // The manifest is closed: keep the report for `status` of the stopped service.
+        if let Err(e) = status::save_stopped(&self.settings, &self.last_report) {
+            log::debug!("cannot keep the status report for the stopped service: {e}");
+        }
+        Ok(())
+    }
+}
+
+/// The worker thread's loop: gather, close batches by the policy, hand them to the engine.
+pub(super) fn worker_loop(
+    engine: anyhow::Result<Engine>,
+    listed: Option<Vec<crate::source::Found>>,
+    settings: Settings,
+    rx: crossbeam_channel::Receiver<Work>,
+    report: mpsc::UnboundedSender<Report>,
+    shared: Arc<Shared>,
+) -> anyhow::Result<()> {
+    let mut batch = Batcher::new(Policy::from_settings(&settings.ingest));
+    let mut w = Worker::new(engine, listed, settings, report, shared);
+    // Work that is not a recording's, met while draining the channel into a batch.
+    let mut deferred: VecDeque<Work> = VecDeque::new();
+    loop {
+        w.tick();
+        let next = batch.next(Instant::now(), w.load());
+        if next == Next::Close {
+            w.submit(batch.take());
+            w.snapshot_if_due();
+            continue;
+        }
+        let work = match deferred.pop_front() {
+            Some(work) => work,
+            None => match rx.recv_timeout(w.wait(next)) {
+                Ok(work) => work,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    if next == Next::Empty {
+                        w.on_idle();
+                    }
+                    continue;
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+            },
+        };
+        match work {
+            Work::Op(op) => {
+                w.gather(op, &mut batch);
+                // Everything queued already joins it, up to the cap.
+                while batch.room() > 0 {
+                    match rx.try_recv() {
+                        Ok(Work::Op(op)) => w.gather(op, &mut batch),
+                        Ok(other) => {
+                            deferred.push_back(other);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+            }
+            other => {
+                // A rescan or a reload comes after what was gathered before it.
+                w.submit(batch.take());
+                w.handle(other, &mut batch);
+            }
+        }
+        w.snapshot_if_due();
+    }
+    w.submit(batch.take());
+    w.stop()
+}
