@@ -158,65 +158,13 @@ impl Engine {
             Some(m) if !m.failed() => m,
             _ => Arc::new(open_or_set_aside(&crate::staging::manifest_dir(settings))?),
         };
-        if OutputSet::exists(out_dir, &settings.outputs) && recover::is_blank(&manifest)? {
-            if let Some(r) = recover::from_outputs(settings, &manifest)? {
-                log::warn!(
-                    "the manifest in {} was missing: rebuilt it from the {} under {} ({} rows: {} training, {} validation, {} testing; {} valid{}); no feature recomputed, no row moved. Checking the tree against it",
-                    settings.paths.state.display(),
-                    r.source,
-                    out_dir.display(),
-                    r.rows.iter().sum::<u64>(),
-                    r.rows[0],
-                    r.rows[1],
-                    r.rows[2],
-                    r.valid,
-                    if r.conflicting > 0 {
-                        format!(", {} left unrecorded (see above)", r.conflicting)
-                    } else {
-                        String::new()
-                    }
-                );
-            }
-        }
-        if OutputSet::exists(out_dir, &settings.outputs) {
-            if let Some(a) = recover::adopt_tail(settings, &manifest)? {
-                let n: u64 = a.rows.iter().sum();
-                log::warn!(
-                    "the outputs in {} had committed {n} rows the manifest had not recorded (an older ailhd stopped between its two commits of a batch): adopted them ({} training, {} validation, {} testing{}), no row cut. Checking the tree against them",
-                    out_dir.display(),
-                    a.rows[0],
-                    a.rows[1],
-                    a.rows[2],
-                    if a.superseded > 0 {
-                        format!("; {} of them superseded, turned invalid (see above)", a.superseded)
-                    } else {
-                        String::new()
-                    }
-                );
-            }
-        }
+        recover_into(settings, &manifest)?;
         let fingerprint = settings.features.fingerprint();
         let known_rows = manifest.rows()?;
         let has_records = manifest.files().next().is_some() || known_rows.iter().any(|&r| r > 0);
-        if let Some(f) = manifest.get_meta("feature_fingerprint")? {
-            if f != fingerprint {
-                bail!(
-                    "the feature settings changed since the outputs in {} were written: `ailhd run` will not append rows of another kind. Run `ailhd rebuild` to regenerate them with the new settings",
-                    settings.paths.output.display()
-                );
-            }
-        }
         let appended = manifest.appended_labels()?;
         let labels = LabelSet::new(&settings.labels.names, &appended, settings.labels.unknown);
-        if let Some(stored) = manifest.get_meta("labels")? {
-            let stored: Vec<String> = serde_json::from_str(&stored).unwrap_or_default();
-            if labels.names.len() < stored.len() || labels.names[..stored.len()] != stored[..] {
-                bail!(
-                    "labels.names changed the ids of existing labels (outputs have {stored:?}, the configuration gives {:?}); ids are never renumbered: restore the order (new names go at the end) or run `ailhd rebuild`",
-                    labels.names
-                );
-            }
-        }
+        check_compatible(settings, &manifest, &fingerprint, &labels)?;
         let header = OutputHeader {
             labels: labels.names.clone(),
             features: settings.features.clone(),
@@ -366,7 +314,7 @@ impl Engine {
                 .spawn(move || stage.run(plan_rx, feat_tx))
                 .expect("featuriser thread starts")
         };
-        let mut committer = Committer {
+        let committer = Committer {
             room: live.then(|| commit::Room {
                 output: settings.paths.output.clone(),
                 state: settings.paths.state.clone(),
@@ -383,52 +331,7 @@ impl Engine {
         };
         let writing = std::thread::Builder::new()
             .name("ailhd-commit".into())
-            .spawn(move || -> anyhow::Result<Committer> {
-                while let Ok(first) = feat_rx.recv() {
-                    // Live: the plans already featurised behind this one join its commit.
-                    let mut group = vec![first];
-                    while live && group.len() < GROUP_MAX && group.last().is_some_and(|f| f.is_ok())
-                    {
-                        match feat_rx.try_recv() {
-                            Ok(f) => group.push(f),
-                            Err(_) => break,
-                        }
-                    }
-                    // A featuriser failure ends the group: the plans before it are committed.
-                    let failed = match group.last() {
-                        Some(Err(_)) => group.pop().and_then(|f| f.err()),
-                        _ => None,
-                    };
-                    let plans: Vec<Featurised> = group.into_iter().flatten().collect();
-                    let error = match committer.commit_group(&plans) {
-                        Err(e) => Some(e),
-                        Ok(()) => {
-                            for f in plans {
-                                // The row buffers go back to the featurise stage.
-                                for m in f.mel {
-                                    if m.capacity() > 0 {
-                                        let _ = recycle_tx.try_send(m);
-                                    }
-                                }
-                                if done_tx.send(Ok(done_of(f.plan))).is_err() {
-                                    return Ok(committer);
-                                }
-                            }
-                            failed
-                        }
-                    };
-                    if let Some(e) = error {
-                        // Roll back: the committer is dropped without a commit, which cuts
-                        // every output back to its committed rows; the manifest never saw
-                        // the group. Batches decided after it are not carried out.
-                        let text = format!("{e:#}");
-                        let _ = done_tx.send(Err(e));
-                        drop(committer);
-                        bail!("{text}");
-                    }
-                }
-                Ok(committer)
-            })
+            .spawn(move || commit_loop(committer, live, feat_rx, done_tx, recycle_tx))
             .expect("commit thread starts");
         Engine {
             settings: settings.clone(),
@@ -957,6 +860,134 @@ fn thread_cpu_seconds() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
+/// A manifest that was lost is rebuilt from the outputs' own columns; rows the outputs committed
+/// that the manifest did not record (an older ailhd stopped between its two commits) are
+/// adopted. Each says so in the log.
+fn recover_into(settings: &Settings, manifest: &Manifest) -> anyhow::Result<()> {
+    let out_dir = &settings.paths.output;
+    if OutputSet::exists(out_dir, &settings.outputs) && recover::is_blank(manifest)? {
+        if let Some(r) = recover::from_outputs(settings, manifest)? {
+            log::warn!(
+                "the manifest in {} was missing: rebuilt it from the {} under {} ({} rows: {} training, {} validation, {} testing; {} valid{}); no feature recomputed, no row moved. Checking the tree against it",
+                settings.paths.state.display(),
+                r.source,
+                out_dir.display(),
+                r.rows.iter().sum::<u64>(),
+                r.rows[0],
+                r.rows[1],
+                r.rows[2],
+                r.valid,
+                if r.conflicting > 0 {
+                    format!(", {} left unrecorded (see above)", r.conflicting)
+                } else {
+                    String::new()
+                }
+            );
+        }
+    }
+    if OutputSet::exists(out_dir, &settings.outputs) {
+        if let Some(a) = recover::adopt_tail(settings, manifest)? {
+            let n: u64 = a.rows.iter().sum();
+            log::warn!(
+                "the outputs in {} had committed {n} rows the manifest had not recorded (an older ailhd stopped between its two commits of a batch): adopted them ({} training, {} validation, {} testing{}), no row cut. Checking the tree against them",
+                out_dir.display(),
+                a.rows[0],
+                a.rows[1],
+                a.rows[2],
+                if a.superseded > 0 {
+                    format!("; {} of them superseded, turned invalid (see above)", a.superseded)
+                } else {
+                    String::new()
+                }
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The outputs were made with these feature settings, and the configured labels keep the ids
+/// they were given.
+fn check_compatible(
+    settings: &Settings,
+    manifest: &Manifest,
+    fingerprint: &str,
+    labels: &LabelSet,
+) -> anyhow::Result<()> {
+    if let Some(f) = manifest.get_meta("feature_fingerprint")? {
+        if f != fingerprint {
+            bail!(
+                "the feature settings changed since the outputs in {} were written: `ailhd run` will not append rows of another kind. Run `ailhd rebuild` to regenerate them with the new settings",
+                settings.paths.output.display()
+            );
+        }
+    }
+    if let Some(stored) = manifest.get_meta("labels")? {
+        let stored: Vec<String> = serde_json::from_str(&stored).unwrap_or_default();
+        if labels.names.len() < stored.len() || labels.names[..stored.len()] != stored[..] {
+            bail!(
+                "labels.names changed the ids of existing labels (outputs have {stored:?}, the configuration gives {:?}); ids are never renumbered: restore the order (new names go at the end) or run `ailhd rebuild`",
+                labels.names
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The commit stage's thread: commits what the featurise stage hands on (live, the plans already
+/// featurised behind one join its commit as a group), reports each batch done, and hands the
+/// row buffers back. A failure rolls the group back and ends the stage.
+fn commit_loop(
+    mut committer: Committer,
+    live: bool,
+    feat_rx: crossbeam_channel::Receiver<anyhow::Result<Featurised>>,
+    done_tx: crossbeam_channel::Sender<anyhow::Result<Done>>,
+    recycle_tx: crossbeam_channel::Sender<Vec<half::f16>>,
+) -> anyhow::Result<Committer> {
+    while let Ok(first) = feat_rx.recv() {
+        // Live: the plans already featurised behind this one join its commit.
+        let mut group = vec![first];
+        while live && group.len() < GROUP_MAX && group.last().is_some_and(|f| f.is_ok()) {
+            match feat_rx.try_recv() {
+                Ok(f) => group.push(f),
+                Err(_) => break,
+            }
+        }
+        // A featuriser failure ends the group: the plans before it are committed.
+        let failed = match group.last() {
+            Some(Err(_)) => group.pop().and_then(|f| f.err()),
+            _ => None,
+        };
+        let plans: Vec<Featurised> = group.into_iter().flatten().collect();
+        let error = match committer.commit_group(&plans) {
+            Err(e) => Some(e),
+            Ok(()) => {
+                for f in plans {
+                    // The row buffers go back to the featurise stage.
+                    for m in f.mel {
+                        if m.capacity() > 0 {
+                            let _ = recycle_tx.try_send(m);
+                        }
+                    }
+                    if done_tx.send(Ok(done_of(f.plan))).is_err() {
+                        return Ok(committer);
+                    }
+                }
+                failed
+            }
+        };
+        if let Some(e) = error {
+            // Roll back: the committer is dropped without a commit, which cuts
+            // every output back to its committed rows; the manifest never saw
+            // the group. Batches decided after it are not carried out.
+            let text = format!("{e:#}");
+            let _ = done_tx.send(Err(e));
+            drop(committer);
+            bail!("{text}");
+        }
+    }
+    Ok(committer)
+}
+
 /// How often [`reconcile_with`] hands on what it found so far.
 const RECONCILE_REPORT_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
 
@@ -1000,17 +1031,53 @@ pub fn reconcile_with(
             found
         }
     };
-    let mut part = Reconciliation::default();
-    let mut last_emit = Instant::now();
-    let mut flush = |part: &mut Reconciliation, force: bool| {
-        let any = !part.changed.is_empty() || !part.removed.is_empty() || !part.rejected.is_empty();
-        if any && (force || last_emit.elapsed() >= RECONCILE_REPORT_EVERY) {
-            emit(std::mem::take(part));
-            last_emit = Instant::now();
-        }
+    let mut out = Emitter {
+        part: Reconciliation::default(),
+        last: Instant::now(),
+        emit,
     };
-    // Phase 1: the sorted listing beside the records, in the same (byte) order.
-    let mut known: Vec<(u32, u64, i64)> = Vec::new();
+    let (known, unlisted) = new_paths(manifest, &found, &mut out)?;
+    out.flush(true);
+    log::debug!("rescan: new paths handed on after {}", took());
+    changed_or_gone(root, &found, known, unlisted, &mut out);
+    out.flush(true);
+    log::debug!("rescan: changed and gone handed on after {}", took());
+    rows_to_remake(manifest, &found, &mut out)?;
+    out.flush(true);
+    log::debug!("rescan: done after {}", took());
+    Ok(())
+}
+
+/// Hands on what the comparison found, in parts, at most every [`RECONCILE_REPORT_EVERY`].
+struct Emitter<'a> {
+    part: Reconciliation,
+    last: Instant,
+    emit: &'a mut dyn FnMut(Reconciliation),
+}
+
+impl Emitter<'_> {
+    fn flush(&mut self, force: bool) {
+        let p = &self.part;
+        let any = !p.changed.is_empty() || !p.removed.is_empty() || !p.rejected.is_empty();
+        if any && (force || self.last.elapsed() >= RECONCILE_REPORT_EVERY) {
+            (self.emit)(std::mem::take(&mut self.part));
+            self.last = Instant::now();
+        }
+    }
+}
+
+/// Listed recordings that have a record: (index in the listing, recorded size, mtime).
+type Known = Vec<(u32, u64, i64)>;
+
+/// Phase 1: the sorted listing beside the records, in the same (byte) order. Hands on new paths
+/// and newly rejected ones; returns the listed paths that have records, and the recorded paths
+/// that are not listed.
+fn new_paths(
+    manifest: &Manifest,
+    found: &[crate::source::Found],
+    out: &mut Emitter,
+) -> anyhow::Result<(Known, Vec<String>)> {
+    let mut known: Known = Vec::new();
     let mut unlisted: Vec<String> = Vec::new();
     let mut records = manifest.files().peekable();
     for (i, item) in found.iter().enumerate() {
@@ -1029,7 +1096,7 @@ pub fn reconcile_with(
             unlisted.push(key);
         }
         match (item, record) {
-            (crate::source::Found::Recording(rel), None) => part.changed.push(rel.clone()),
+            (crate::source::Found::Recording(rel), None) => out.part.changed.push(rel.clone()),
             (crate::source::Found::Recording(_), Some(rec)) => {
                 known.push((i as u32, rec.size, rec.mtime_ns));
             }
@@ -1038,7 +1105,7 @@ pub fn reconcile_with(
                     .and_then(|rec| rec.quarantine)
                     .is_some_and(|q| q.kind == reason.kind());
                 if !same {
-                    part.rejected.push(Observation::Rejected {
+                    out.part.rejected.push(Observation::Rejected {
                         rel: rel.clone(),
                         reason: reason.clone(),
                         size: 0,
@@ -1047,14 +1114,22 @@ pub fn reconcile_with(
                 }
             }
         }
-        flush(&mut part, false);
+        out.flush(false);
     }
     for item in records {
         unlisted.push(item?.0);
     }
-    flush(&mut part, true);
-    log::debug!("rescan: new paths handed on after {}", took());
-    // Phase 2: changed in place, or gone (a path recorded after the listing is still there).
+    Ok((known, unlisted))
+}
+
+/// Phase 2: changed in place, or gone (a path recorded after the listing is still there).
+fn changed_or_gone(
+    root: &Path,
+    found: &[crate::source::Found],
+    known: Known,
+    unlisted: Vec<String>,
+    out: &mut Emitter,
+) {
     let mut folders = FolderStat::new(root);
     for (i, size, mtime_ns) in known {
         let rel = found[i as usize].rel();
@@ -1062,18 +1137,23 @@ pub fn reconcile_with(
             continue; // gone since the listing: the watcher reports it
         };
         if now != (size, mtime_ns) {
-            part.changed.push(rel.to_string());
+            out.part.changed.push(rel.to_string());
         }
-        flush(&mut part, false);
+        out.flush(false);
     }
     for rel in unlisted {
         if std::fs::symlink_metadata(root.join(&rel)).is_err() {
-            part.removed.push(rel);
+            out.part.removed.push(rel);
         }
     }
-    flush(&mut part, true);
-    log::debug!("rescan: changed and gone handed on after {}", took());
-    // Phase 3: a row waiting to be made anew (its owner was to be read again when we stopped).
+}
+
+/// Phase 3: a row waiting to be made anew (its owner was to be read again when we stopped).
+fn rows_to_remake(
+    manifest: &Manifest,
+    found: &[crate::source::Found],
+    out: &mut Emitter,
+) -> anyhow::Result<()> {
     for item in manifest.contents() {
         let (_, c) = item?;
         if let (None, Some(owner)) = (c.row, c.owner()) {
@@ -1081,12 +1161,10 @@ pub fn reconcile_with(
                 .binary_search_by(|f| f.rel().cmp(owner))
                 .is_ok_and(|i| matches!(found[i], crate::source::Found::Recording(_)))
             {
-                part.changed.push(owner.to_string());
+                out.part.changed.push(owner.to_string());
             }
         }
     }
-    flush(&mut part, true);
-    log::debug!("rescan: done after {}", took());
     Ok(())
 }
 

@@ -106,13 +106,12 @@ pub async fn serve(
     let (work_tx, work_rx) = crossbeam_channel::unbounded::<Work>();
     let (report_tx, mut report_rx) = mpsc::unbounded_channel::<Report>();
     let worker = {
-        let shared = shared.clone();
-        let settings = settings.clone();
+        let (shared, settings) = (shared.clone(), settings.clone());
+        let work =
+            move || worker::worker_loop(engine, listed, settings, work_rx, report_tx, shared);
         std::thread::Builder::new()
             .name("ailhd-ingest".into())
-            .spawn(move || {
-                worker::worker_loop(engine, listed, settings, work_rx, report_tx, shared)
-            })?
+            .spawn(work)?
     };
     *shared.unwatched.lock().unwrap_or_else(|e| e.into_inner()) = watcher.unwatched();
     let mut ev = EventLoop {
@@ -129,17 +128,7 @@ pub async fn serve(
         pending_listed: Instant::now(),
         device,
     };
-    ev.send(Work::Rescan);
-    log::info!(
-        "watching {} on {}; outputs in {}",
-        ev.root.display(),
-        ev.device,
-        ev.settings.paths.output.display()
-    );
-    let _ = sd_notify::notify(&[
-        NotifyState::Ready,
-        NotifyState::Status(&format!("watching, on {}", ev.device)),
-    ]);
+    ev.ready();
 
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let watchdog = sd_notify::watchdog_enabled();
@@ -269,6 +258,21 @@ struct EventLoop {
 }
 
 impl EventLoop {
+    /// The first comparison of the tree with the manifest is asked for, and systemd told.
+    fn ready(&self) {
+        self.send(Work::Rescan);
+        log::info!(
+            "watching {} on {}; outputs in {}",
+            self.root.display(),
+            self.device,
+            self.settings.paths.output.display()
+        );
+        let _ = sd_notify::notify(&[
+            NotifyState::Ready,
+            NotifyState::Status(&format!("watching, on {}", self.device)),
+        ]);
+    }
+
     fn send(&self, w: Work) {
         if matches!(w, Work::Op(Input::Load { .. })) {
             self.shared.queued.fetch_add(1, Ordering::Relaxed);
