@@ -134,16 +134,25 @@ impl CudaFeaturiser {
 
     /// Device: kernels and FFT for the chunk staged in slot `s`, then queue the download.
     pub(super) fn compute_and_download(&mut self, s: usize) -> anyhow::Result<()> {
-        let g = self.geometry;
         let files = self.slots[s].files;
-        let n = files as i32;
-        let frames = files * g.frames_per_file as usize;
-
         let slot = &self.slots[s];
         // Explicitly after the upload (cudarc would also order the kernels after it), so that
         // compute_start marks when the kernels can run.
         self.compute.wait(&slot.uploaded)?;
         slot.compute_start.record(&self.compute)?;
+        self.launch_framing(s)?;
+        self.run_fft(files)?;
+        self.launch_power_mel_db(files)?;
+        self.launch_finalize_rows(s)?;
+        self.queue_download(s)
+    }
+
+    /// `frame_<input>_<precision>`: slot `s`'s recordings into windowed FFT frames.
+    fn launch_framing(&mut self, s: usize) -> anyhow::Result<()> {
+        let g = self.geometry;
+        let slot = &self.slots[s];
+        let n = slot.files as i32;
+        let frames = slot.files * g.frames_per_file as usize;
         let cfg = self.grid(frames * g.n_fft as usize);
         let (function, what) = match slot.path {
             InputPath::Pcm16 => (&self.kernels.frame_pcm16, "frame_pcm16"),
@@ -163,9 +172,14 @@ impl CudaFeaturiser {
         // SAFETY: arguments match `frame_<input>_<precision>(Geometry, const <input>*, const
         // <real>*, <real>*, int)`; the buffers hold chunk_files recordings >= n.
         unsafe { launch.launch(cfg) }.with_context(|| format!("launching {what}"))?;
+        Ok(())
+    }
 
-        // One plan, group by group (see PLAN_FILES). The last group's frames beyond `frames` are
-        // stale; their spectra are never read.
+    /// The frames of `files` recordings into spectra: one plan, group by group (see
+    /// PLAN_FILES). The last group's frames beyond the chunk's are stale; their spectra are
+    /// never read.
+    fn run_fft(&mut self, files: usize) -> anyhow::Result<()> {
+        let g = self.geometry;
         let plan = self.plan.as_ref().expect("plan lives until drop");
         let group_frames = self.plan_files * g.frames_per_file as usize;
         let (real_len, bins_len) = (
@@ -193,7 +207,14 @@ impl CudaFeaturiser {
                     .map_err(|e| anyhow!("cuFFT D2Z failed: {e}"))?,
             }
         }
+        Ok(())
+    }
 
+    /// `power_mel_db_<precision>`: the spectra of `files` recordings into mel dB.
+    fn launch_power_mel_db(&mut self, files: usize) -> anyhow::Result<()> {
+        let g = self.geometry;
+        let n = files as i32;
+        let frames = files * g.frames_per_file as usize;
         let cfg = self.grid(frames * g.n_mels as usize);
         let mut launch = self.compute.launch_builder(&self.kernels.power_mel_db);
         launch.arg(&g);
@@ -210,7 +231,14 @@ impl CudaFeaturiser {
         // SAFETY: `power_mel_db_<precision>(Geometry, const <real>* (interleaved complex), const
         // int*, const int*, const float*, float*, int)`.
         unsafe { launch.launch(cfg) }.context("launching power_mel_db")?;
+        Ok(())
+    }
 
+    /// `finalize_rows`: mel dB into slot `s`'s f16 rows; marks the end of the computing.
+    fn launch_finalize_rows(&mut self, s: usize) -> anyhow::Result<()> {
+        let g = self.geometry;
+        let files = self.slots[s].files;
+        let n = files as i32;
         let cfg = LaunchConfig {
             grid_dim: (files.min(self.sm_count as usize * 8).max(1) as u32, 1, 1),
             block_dim: (FINALIZE_THREADS, 1, 1),
@@ -226,9 +254,14 @@ impl CudaFeaturiser {
         // SAFETY: `finalize_rows(Geometry, const float*, unsigned short*, int)` with exactly
         // FINALIZE_THREADS threads per block.
         unsafe { launch.launch(cfg) }.context("launching finalize_rows")?;
-
         slot.compute_end.record(&self.compute)?;
-        let len = files * g.row_len as usize;
+        Ok(())
+    }
+
+    /// Queue the copy of slot `s`'s rows to the host.
+    fn queue_download(&mut self, s: usize) -> anyhow::Result<()> {
+        let slot = &mut self.slots[s];
+        let len = slot.files * self.geometry.row_len as usize;
         let host = slot.rows_host.as_mut_slice()?;
         let rows = slot.rows_dev.slice(0..len);
         self.download.memcpy_dtoh(&rows, &mut host[..len])?;
