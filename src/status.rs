@@ -469,7 +469,11 @@ pub fn write_png(
     out: &std::path::Path,
 ) -> anyhow::Result<()> {
     let cols = crate::output::read::read(settings)?;
-    crate::plot::dataset::write(out, &settings.paths.output, report, &cols)
+    let title = crate::plot::dataset::Title {
+        files: &report.files,
+        writer: report.writer.as_deref(),
+    };
+    crate::plot::dataset::write(out, &settings.paths.output, &title, &cols)
 }
 
 #[cfg(test)]

@@ -8,11 +8,10 @@
 //!   file name (the outputs keep no commit time; rows without a time are counted in the caption).
 //!
 //! Everything but the title comes from the outputs' own columns, read as a trainer reads them
-//! (see [`super::columns`]); the title's file counts come from the status report.
+//! (see [`super::columns`]); the title's file counts and writer come from the status report ([`Title`]).
 
 use super::{draw_lines, err, palette, Area, FONT, OUT_OF_WATER};
 use crate::output::read::Columns;
-use crate::status::StatusReport;
 use anyhow::{Context, Result};
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
@@ -24,7 +23,14 @@ pub const WIDTH: u32 = 1400;
 pub const HEIGHT: u32 = 950;
 const HEADER: u32 = 100;
 
-pub fn write(out: &Path, output_dir: &Path, report: &StatusReport, cols: &Columns) -> Result<()> {
+/// What the title says besides the columns: the files per state and the writer, as the
+/// status report has them.
+pub struct Title<'a> {
+    pub files: &'a BTreeMap<String, u64>,
+    pub writer: Option<&'a str>,
+}
+
+pub fn write(out: &Path, output_dir: &Path, title: &Title, cols: &Columns) -> Result<()> {
     super::init_font()?;
     {
         let root = BitMapBackend::new(out, (WIDTH, HEIGHT)).into_drawing_area();
@@ -32,7 +38,7 @@ pub fn write(out: &Path, output_dir: &Path, report: &StatusReport, cols: &Column
         let (header, rest) = root.split_vertically(HEADER);
         let (top, bottom) = rest.split_vertically(430);
         let (left, right) = top.split_horizontally(WIDTH * 11 / 20);
-        draw_header(&header, output_dir, report, cols)?;
+        draw_header(&header, output_dir, title, cols)?;
         draw_rows_per_label(&left, cols)?;
         draw_gain(&right, cols)?;
         draw_arrivals(&bottom, cols)?;
@@ -42,7 +48,7 @@ pub fn write(out: &Path, output_dir: &Path, report: &StatusReport, cols: &Column
     Ok(())
 }
 
-fn draw_header(area: &Area, output_dir: &Path, r: &StatusReport, cols: &Columns) -> Result<()> {
+fn draw_header(area: &Area, output_dir: &Path, r: &Title, cols: &Columns) -> Result<()> {
     let rows: usize = cols.splits.iter().map(|s| s.rows()).sum();
     let valid: usize = cols
         .splits
@@ -78,7 +84,7 @@ fn draw_header(area: &Area, output_dir: &Path, r: &StatusReport, cols: &Columns)
             (
                 format!(
                     "writer: {}   ·   columns read from {}   ·   drawn {}",
-                    r.writer.as_deref().unwrap_or("none (service not running)"),
+                    r.writer.unwrap_or("none (service not running)"),
                     cols.source,
                     super::utc(now)
                 ),
