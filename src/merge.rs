@@ -476,7 +476,7 @@ fn read_source(path: &Path) -> Result<Source> {
         // The virtual datasets name their sources by UTF-8 paths.
         return Err(bad("the path is not valid UTF-8".into()));
     }
-    check_mergeable(&file, &bad)?;
+    check_mergeable(&file, &path, &bad)?;
     let text = |name: &str| read_text_attr(&file, name).map_err(|e| bad(format!("{e:#}")));
     let fingerprint = text("feature_fingerprint")?;
     let config_json = text("config_json")?;
@@ -525,21 +525,13 @@ fn read_source(path: &Path) -> Result<Source> {
 }
 
 /// An input this ailhd merges: an output of this layout version, not itself a merge.
-fn check_mergeable(file: &File, bad: &dyn Fn(String) -> anyhow::Error) -> Result<()> {
+fn check_mergeable(file: &File, path: &Path, bad: &dyn Fn(String) -> anyhow::Error) -> Result<()> {
     let schema = file
         .attr("schema_version")
         .and_then(|a| a.read_scalar::<u32>())
-        .map_err(|e| {
-            bad(format!(
-                "no readable schema_version ({e}): not an ailhd output"
-            ))
-        })?;
-    if schema != OUTPUT_SCHEMA_VERSION {
-        return Err(bad(format!(
-            "output layout version {schema}; this ailhd merges version {OUTPUT_SCHEMA_VERSION} \
-             (rebuild it with this version)"
-        )));
-    }
+        .map(u64::from)
+        .map_err(|e| e.to_string());
+    crate::output::check_output_version(path, schema).map_err(|e| refuse(format!("{e:#}")))?;
     if file.attr("merged_from_json").is_ok() {
         return Err(bad(
             "is itself a merge; merge the original outputs instead (a merge of merges would \

@@ -915,15 +915,9 @@ fn check_layout(path: &Path, file: &File, header: &OutputHeader) -> Result<Vec<S
     let schema = file
         .attr("schema_version")
         .and_then(|a| a.read_scalar::<u32>())
-        .map_err(|e| incompatible(path, format_args!("no readable schema_version ({e})")))?;
-    if schema != OUTPUT_SCHEMA_VERSION {
-        return Err(incompatible(
-            path,
-            format_args!(
-                "output layout version {schema}, this ailhd writes {OUTPUT_SCHEMA_VERSION}"
-            ),
-        ));
-    }
+        .map(u64::from)
+        .map_err(|e| e.to_string());
+    super::check_output_version(path, schema)?;
     let fingerprint = read_text_attr(file, "feature_fingerprint")
         .map_err(|e| incompatible(path, format_args!("no readable feature_fingerprint ({e})")))?;
     if fingerprint != header.features.fingerprint() {

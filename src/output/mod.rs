@@ -7,6 +7,9 @@ pub mod hdf5;
 pub mod npy;
 pub mod read;
 pub mod set;
+mod version;
+
+pub use version::check_output_version;
 
 use crate::config::{FeatureSettings, FeatureShape};
 use half::f16;

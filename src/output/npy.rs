@@ -606,15 +606,11 @@ fn read_attributes(dir: &Path, header: &OutputHeader) -> Result<(Map<String, Val
         .with_context(|| format!("reading {}", attrs_path.display()))?;
     let mut attrs: Map<String, Value> = serde_json::from_str(&text)
         .map_err(|e| incompatible(&attrs_path, format_args!("not a JSON object ({e})")))?;
-    let schema = attrs.get("schema_version").and_then(Value::as_u64);
-    if schema != Some(OUTPUT_SCHEMA_VERSION as u64) {
-        return Err(incompatible(
-            &attrs_path,
-            format_args!(
-                "output layout version {schema:?}, this ailhd writes {OUTPUT_SCHEMA_VERSION}"
-            ),
-        ));
-    }
+    let schema = attrs
+        .get("schema_version")
+        .map(|v| v.as_u64().ok_or(format!("{v} is not a version number")))
+        .unwrap_or(Err("missing".into()));
+    super::check_output_version(&attrs_path, schema)?;
     let fingerprint = attrs.get("feature_fingerprint").and_then(Value::as_str);
     if fingerprint != Some(header.features.fingerprint().as_str()) {
         return Err(incompatible(
