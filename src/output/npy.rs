@@ -705,8 +705,9 @@ fn read_npy_header(file: &mut File, spec: &ColumnSpec, path: &Path) -> Result<(u
     }
 }
 
-/// Write `attributes.json` (with `committed_rows`) atomically: temp file, fsync, rename, and the
-/// folder synced; `sync` false (a staging output, synced by its close): without syncs.
+/// Write `attributes.json` (with `committed_rows`) atomically ([`crate::durable::replace`]):
+/// [`Sync::Full`](crate::durable::Sync::Full), its bytes and the folder synced; `sync` false (a
+/// staging output, synced by its close): without syncs.
 fn write_attributes(
     dir: &Path,
     attrs: &Map<String, Value>,
@@ -716,22 +717,14 @@ fn write_attributes(
     let mut all = attrs.clone();
     all.insert("committed_rows".into(), Value::from(committed));
     let text = serde_json::to_string_pretty(&Value::Object(all)).expect("JSON serialises");
-    let tmp = dir.join(format!("{ATTRIBUTES}.tmp"));
     let path = dir.join(ATTRIBUTES);
-    std::fs::write(&tmp, text.as_bytes())
-        .and_then(|()| {
-            if sync {
-                File::open(&tmp)?.sync_all()
-            } else {
-                Ok(())
-            }
-        })
-        .and_then(|()| std::fs::rename(&tmp, &path))
-        .with_context(|| format!("writing {}", path.display()))?;
-    if sync {
-        sync_dir(dir)?;
-    }
-    Ok(())
+    let durability = if sync {
+        crate::durable::Sync::Full
+    } else {
+        crate::durable::Sync::None
+    };
+    crate::durable::replace(&path, text.as_bytes(), durability)
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
