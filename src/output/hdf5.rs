@@ -389,14 +389,7 @@ impl Hdf5Sink {
     /// would change the file's structure under the readers, so it is an error that says to
     /// restart the service (which reopens the file and grows them before starting SWMR).
     pub fn set_labels(&mut self, labels: &[String]) -> Result<()> {
-        if !labels.starts_with(&self.labels) {
-            bail!(
-                "{}: new label list {labels:?} does not extend the current {:?}: label ids are \
-                 never renumbered",
-                self.path.display(),
-                self.labels
-            );
-        }
+        super::check_labels_extend(&self.path, &self.labels, labels)?;
         let values = [labels_json(labels), label2id_json(labels)];
         let file = self.file()?;
         for (name, value) in LABEL_ATTRS.iter().zip(&values) {

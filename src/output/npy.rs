@@ -212,14 +212,7 @@ impl NpySink {
     /// Replace `labels_json` / `label2id_json` in `attributes.json` (labels appended under
     /// `labels.unknown = "append"`); `labels` must extend the current list.
     pub fn set_labels(&mut self, labels: &[String]) -> Result<()> {
-        if !labels.starts_with(&self.labels) {
-            bail!(
-                "{}: new label list {labels:?} does not extend the current {:?}: label ids are \
-                 never renumbered",
-                self.dir.display(),
-                self.labels
-            );
-        }
+        super::check_labels_extend(&self.dir, &self.labels, labels)?;
         self.attrs
             .insert("labels_json".into(), Value::from(labels_json(labels)));
         self.attrs
