@@ -132,7 +132,44 @@ fn live(
     dir: &Path,
 ) -> anyhow::Result<()> {
     let log_path = dir.join("service.log");
-    let log = std::fs::File::create(&log_path)
+    let started = Instant::now();
+    let mut service = start_service(config_path, device, &log_path)?;
+    let pid = service.0.as_ref().map(|c| c.id()).unwrap_or(0);
+    wait_ready(settings, &mut service, pid, &log_path)?;
+    println!(
+        "  running (pid {pid}), ready after {:.1} s; a trainer's SWMR reader follows committed_rows of each split",
+        started.elapsed().as_secs_f64()
+    );
+
+    let mut latencies = watch_arrivals(settings, &mut service, &log_path)?;
+    latencies.sort_by(f64::total_cmp);
+    println!(
+        "  completion-to-commit as the reader saw it (file closed -> row below committed_rows, polled every 5 ms): median {:.0} ms, max {:.0} ms",
+        latencies[latencies.len() / 2],
+        latencies[latencies.len() - 1]
+    );
+
+    let stop = Instant::now();
+    stop_service(&mut service, &log_path)?;
+    println!(
+        "  stopped cleanly (SIGTERM, exit 0) in {:.2} s; `ailhd status` now counts {} rows",
+        stop.elapsed().as_secs_f64(),
+        crate::status::load(settings)?
+            .splits
+            .values()
+            .map(|s| s.rows)
+            .sum::<u64>()
+    );
+    Ok(())
+}
+
+/// Start `ailhd --config FILE run` as systemd would, its log in `log_path`.
+fn start_service(
+    config_path: &Path,
+    device: DeviceChoice,
+    log_path: &Path,
+) -> anyhow::Result<Service> {
+    let log = std::fs::File::create(log_path)
         .with_context(|| format!("cannot create {}", log_path.display()))?;
     let exe = std::env::current_exe().context("cannot find the ailhd executable")?;
     let mut cmd = Command::new(exe);
@@ -156,19 +193,25 @@ fn live(
         config_path.display(),
         log_path.display()
     );
-    let started = Instant::now();
-    let mut service = Service(Some(cmd.spawn().context("cannot start `ailhd run`")?));
-    let pid = service.0.as_ref().map(|c| c.id()).unwrap_or(0);
-    wait_ready(settings, &mut service, pid, &log_path)?;
-    println!(
-        "  running (pid {pid}), ready after {:.1} s; a trainer's SWMR reader follows committed_rows of each split",
-        started.elapsed().as_secs_f64()
-    );
+    Ok(Service(Some(
+        cmd.spawn().context("cannot start `ailhd run`")?,
+    )))
+}
 
+/// One split's file as a trainer's reader holds it, with the rows it has seen.
+type Reader = (&'static str, SwmrSplit, u64);
+
+/// Drop the new recordings in one by one while a SWMR reader follows each split, printing
+/// the rows as they arrive. Returns the milliseconds from each file's close to its row.
+fn watch_arrivals(
+    settings: &Settings,
+    service: &mut Service,
+    log_path: &Path,
+) -> anyhow::Result<Vec<f64>> {
     // The reader, as a trainer holds it: each split's file open in SWMR mode, committed_rows
     // refreshed to see new rows.
-    let mut readers = Vec::new();
-    for (i, split) in SPLITS.iter().enumerate() {
+    let mut readers: Vec<Reader> = Vec::new();
+    for (i, &split) in SPLITS.iter().enumerate() {
         let path =
             crate::output::hdf5_path(&settings.paths.output, &settings.outputs.hdf5_names, i);
         let mut r = SwmrSplit::open(&path)?;
@@ -176,15 +219,6 @@ fn live(
         readers.push((split, r, n));
     }
     let labels = readers[0].1.label_names()?;
-
-    let live_labels = [
-        "LEAK",
-        "NORMAL",
-        "CRACK",
-        "BACKGROUND",
-        "LEAK",
-        "UNCLASSIFIED",
-    ];
     let mut dropped: Vec<Dropped> = Vec::new();
     let mut latencies: Vec<f64> = Vec::new();
     let t0 = Instant::now();
@@ -204,73 +238,94 @@ fn live(
         }
         let k = dropped.len();
         if k < LIVE_FILES && t0.elapsed() >= LIVE_GAP * k as u32 {
-            let label = live_labels[k % live_labels.len()];
-            // Named after the tree's own recordings (one a minute), so they follow them in time.
-            let index = DEMO_LABELS.len() * PER_LABEL + k;
-            let name = synth::file_name(index, 7);
-            let rel = format!("{label}/{name}");
-            let bytes = synth::wav_pcm16(&synth::clip(label, 77_000 + k as u64, 4096, 10.0), 4096);
-            std::fs::write(settings.paths.recordings.join(&rel), bytes)?;
-            let closed = Instant::now();
-            println!("  {:>5.2} s  dropped   {rel}", t0.elapsed().as_secs_f64());
-            dropped.push(Dropped {
-                recording_id: format!("R{index:06}"),
-                closed,
-                seen: false,
-            });
+            dropped.push(drop_recording(settings, k, t0)?);
         }
-        for (split, reader, seen) in readers.iter_mut() {
-            let n = reader.refresh()?;
-            if n <= *seen {
-                continue;
-            }
-            let now = Instant::now();
-            let ids = reader.read_strings("recording_id", *seen..n)?;
-            let cols = reader.read_rows(split, *seen..n)?;
-            for (j, id) in ids.iter().enumerate() {
-                let row = *seen + j as u64;
-                let label = labels
-                    .get(cols.labels[j].max(0) as usize)
-                    .map(String::as_str)
-                    .unwrap_or("?");
-                match dropped
-                    .iter_mut()
-                    .find(|d| &d.recording_id == id && !d.seen)
-                {
-                    Some(d) => {
-                        d.seen = true;
-                        let ms = now.duration_since(d.closed).as_secs_f64() * 1e3;
-                        latencies.push(ms);
-                        println!(
-                            "  {:>5.2} s  committed row {row} of {} ({label}, {id}), {ms:.0} ms after the file was closed",
-                            t0.elapsed().as_secs_f64(),
-                            reader.path().file_name().unwrap_or_default().to_string_lossy(),
-                        );
-                    }
-                    None => println!(
-                        "  {:>5.2} s  row {row} of {} ({split}, {label}): recording {id}",
-                        t0.elapsed().as_secs_f64(),
-                        reader
-                            .path()
-                            .file_name()
-                            .unwrap_or_default()
-                            .to_string_lossy()
-                    ),
-                }
-            }
-            *seen = n;
+        for reader in readers.iter_mut() {
+            report_new_rows(reader, &labels, &mut dropped, &mut latencies, t0)?;
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    drop(readers);
-    latencies.sort_by(f64::total_cmp);
-    println!(
-        "  completion-to-commit as the reader saw it (file closed -> row below committed_rows, polled every 5 ms): median {:.0} ms, max {:.0} ms",
-        latencies[latencies.len() / 2],
-        latencies[latencies.len() - 1]
-    );
+    Ok(latencies)
+}
 
-    // Stop it as systemd does: SIGTERM, then it drains and exits.
+/// Write the `k`th new recording into the tree.
+fn drop_recording(settings: &Settings, k: usize, t0: Instant) -> anyhow::Result<Dropped> {
+    let live_labels = [
+        "LEAK",
+        "NORMAL",
+        "CRACK",
+        "BACKGROUND",
+        "LEAK",
+        "UNCLASSIFIED",
+    ];
+    let label = live_labels[k % live_labels.len()];
+    // Named after the tree's own recordings (one a minute), so they follow them in time.
+    let index = DEMO_LABELS.len() * PER_LABEL + k;
+    let name = synth::file_name(index, 7);
+    let rel = format!("{label}/{name}");
+    let bytes = synth::wav_pcm16(&synth::clip(label, 77_000 + k as u64, 4096, 10.0), 4096);
+    std::fs::write(settings.paths.recordings.join(&rel), bytes)?;
+    let closed = Instant::now();
+    println!("  {:>5.2} s  dropped   {rel}", t0.elapsed().as_secs_f64());
+    Ok(Dropped {
+        recording_id: format!("R{index:06}"),
+        closed,
+        seen: false,
+    })
+}
+
+/// Print the rows a split committed since the reader last looked; a row of a dropped
+/// recording marks it seen, with its latency.
+fn report_new_rows(
+    (split, reader, seen): &mut Reader,
+    labels: &[String],
+    dropped: &mut [Dropped],
+    latencies: &mut Vec<f64>,
+    t0: Instant,
+) -> anyhow::Result<()> {
+    let n = reader.refresh()?;
+    if n <= *seen {
+        return Ok(());
+    }
+    let now = Instant::now();
+    let ids = reader.read_strings("recording_id", *seen..n)?;
+    let cols = reader.read_rows(split, *seen..n)?;
+    let file = reader
+        .path()
+        .file_name()
+        .unwrap_or_default()
+        .to_string_lossy();
+    for (j, id) in ids.iter().enumerate() {
+        let row = *seen + j as u64;
+        let label = labels
+            .get(cols.labels[j].max(0) as usize)
+            .map(String::as_str)
+            .unwrap_or("?");
+        match dropped
+            .iter_mut()
+            .find(|d| &d.recording_id == id && !d.seen)
+        {
+            Some(d) => {
+                d.seen = true;
+                let ms = now.duration_since(d.closed).as_secs_f64() * 1e3;
+                latencies.push(ms);
+                println!(
+                    "  {:>5.2} s  committed row {row} of {file} ({label}, {id}), {ms:.0} ms after the file was closed",
+                    t0.elapsed().as_secs_f64(),
+                );
+            }
+            None => println!(
+                "  {:>5.2} s  row {row} of {file} ({split}, {label}): recording {id}",
+                t0.elapsed().as_secs_f64(),
+            ),
+        }
+    }
+    *seen = n;
+    Ok(())
+}
+
+/// Stop the service as systemd does: SIGTERM, then it drains and exits (0, within 20 s).
+fn stop_service(service: &mut Service, log_path: &Path) -> anyhow::Result<()> {
     let stop = Instant::now();
     let mut child = service.0.take().expect("the service is running");
     // SAFETY: kill(2) on our own child's pid.
@@ -297,15 +352,6 @@ fn live(
             log_path.display()
         );
     }
-    println!(
-        "  stopped cleanly (SIGTERM, exit 0) in {:.2} s; `ailhd status` now counts {} rows",
-        stop.elapsed().as_secs_f64(),
-        crate::status::load(settings)?
-            .splits
-            .values()
-            .map(|s| s.rows)
-            .sum::<u64>()
-    );
     Ok(())
 }
 

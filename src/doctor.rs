@@ -6,7 +6,9 @@
 use crate::config::{FeatureSettings, Gpu};
 use crate::decode::Waveform;
 use crate::features::cpu::CpuFeaturiser;
-use crate::features::cuda::{self, parity, CudaFeaturiser, CudaProbe, LibrarySearch};
+use crate::features::cuda::{
+    self, parity, CudaFeaturiser, CudaProbe, LibrarySearch, LibraryStatus,
+};
 use crate::features::mel::{self, Accuracy};
 use crate::features::{reference, Featuriser};
 use anyhow::Context;
@@ -263,10 +265,23 @@ fn compare(
 fn render(report: &DoctorReport) -> String {
     use std::fmt::Write;
     let mut s = String::new();
-    let yes = |b: bool| if b { "yes" } else { "no" };
     let _ = writeln!(s, "ailhd {} doctor\n", report.ailhd_version);
+    render_cpu(&mut s, &report.cpu);
+    render_cuda(&mut s, &report.cuda);
+    render_parity(&mut s, &report.parity);
+    s
+}
 
-    let cpu = &report.cpu;
+fn yes(b: bool) -> &'static str {
+    if b {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
+fn render_cpu(s: &mut String, cpu: &CpuReport) {
+    use std::fmt::Write;
     let features: Vec<String> = cpu
         .features
         .iter()
@@ -284,46 +299,13 @@ fn render(report: &DoctorReport) -> String {
             features.join(", ")
         }
     );
+}
 
-    let cuda = &report.cuda;
+fn render_cuda(s: &mut String, cuda: &CudaProbe) {
+    use std::fmt::Write;
     let _ = writeln!(s, "\nCUDA");
     for lib in &cuda.libraries {
-        let version = match lib.library {
-            "CUDA driver" => cuda.driver_version.as_ref().map(|v| format!("CUDA {v}")),
-            "NVRTC" => cuda.nvrtc_version.clone(),
-            _ => cuda.cufft_version.clone(),
-        };
-        let line = match &lib.loaded {
-            Some(name) => format!(
-                "{name}{}{}{}{}",
-                lib.path
-                    .as_ref()
-                    .map(|p| format!(" ({p})"))
-                    .unwrap_or_default(),
-                version
-                    .map(|v| format!(", version {v}"))
-                    .unwrap_or_default(),
-                lib.found_by
-                    .as_ref()
-                    .map(|by| format!(", found by {by}"))
-                    .unwrap_or_default(),
-                lib.builtins
-                    .as_ref()
-                    .map(|b| format!("; builtins {b}"))
-                    .unwrap_or_default(),
-            ),
-            None => format!(
-                "not found (tried {}{}): {}",
-                lib.sonames().join(", "),
-                if lib.searched.is_empty() {
-                    String::new()
-                } else {
-                    format!(" by name and in {}", lib.searched.join(", "))
-                },
-                lib.advice()
-            ),
-        };
-        let _ = writeln!(s, "  {:<13}{line}", lib.library);
+        let _ = writeln!(s, "  {:<13}{}", lib.library, library_line(cuda, lib));
     }
     for gpu in &cuda.gpus {
         let _ = writeln!(
@@ -353,12 +335,55 @@ fn render(report: &DoctorReport) -> String {
             "  The GPU featuriser can be used (ingest.device = \"auto\" picks it)."
         );
     }
+}
 
+/// One CUDA library: what was loaded (where from, its version, how it was found), or what was
+/// tried and what to do.
+fn library_line(cuda: &CudaProbe, lib: &LibraryStatus) -> String {
+    let version = match lib.library {
+        "CUDA driver" => cuda.driver_version.as_ref().map(|v| format!("CUDA {v}")),
+        "NVRTC" => cuda.nvrtc_version.clone(),
+        _ => cuda.cufft_version.clone(),
+    };
+    match &lib.loaded {
+        Some(name) => format!(
+            "{name}{}{}{}{}",
+            lib.path
+                .as_ref()
+                .map(|p| format!(" ({p})"))
+                .unwrap_or_default(),
+            version
+                .map(|v| format!(", version {v}"))
+                .unwrap_or_default(),
+            lib.found_by
+                .as_ref()
+                .map(|by| format!(", found by {by}"))
+                .unwrap_or_default(),
+            lib.builtins
+                .as_ref()
+                .map(|b| format!("; builtins {b}"))
+                .unwrap_or_default(),
+        ),
+        None => format!(
+            "not found (tried {}{}): {}",
+            lib.sonames().join(", "),
+            if lib.searched.is_empty() {
+                String::new()
+            } else {
+                format!(" by name and in {}", lib.searched.join(", "))
+            },
+            lib.advice()
+        ),
+    }
+}
+
+fn render_parity(s: &mut String, parity: &[ParityResult]) {
+    use std::fmt::Write;
     let _ = writeln!(
         s,
         "\nGPU parity: rows against the float64 reference, contract tolerance at 1x\n(synthetic recordings: tones, noise, silence, chirp)"
     );
-    for p in &report.parity {
+    for p in parity {
         let dims = format!("{:?}", p.row_dims);
         let verdict = match p.status {
             ParityStatus::Passed => "passed",
@@ -392,7 +417,6 @@ fn render(report: &DoctorReport) -> String {
             detail.join("; ")
         );
     }
-    s
 }
 
 #[cfg(test)]

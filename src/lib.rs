@@ -40,6 +40,7 @@ pub mod engine;
 pub mod features;
 pub mod identity;
 pub mod inspect;
+pub mod inspection;
 pub mod json;
 pub mod lock;
 pub mod logging;

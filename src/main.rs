@@ -5,7 +5,7 @@
 use ailhd::config::{DeviceChoice, Settings};
 use ailhd::rebuild::Ui;
 use clap::{Parser, Subcommand};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 // Chunks of recordings are allocated and freed in bulk; glibc's allocator hands such memory back
@@ -165,100 +165,20 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         progress: ailhd::logging::interactive(),
     };
     match &cli.command {
-        Command::CheckConfig => {
-            let s = load_settings(&cli)?;
-            s.check_paths()?;
-            for p in ailhd::staging::remove_stale(&s)? {
-                println!("removed {}, left by an interrupted rebuild", p.display());
-            }
-            let shape = s.features.shape();
-            println!(
-                "configuration OK: recordings {}, output {}, state {}; rows of {:?}",
-                s.paths.recordings.display(),
-                s.paths.output.display(),
-                s.paths.state.display(),
-                shape.row_dims()
-            );
-            Ok(())
-        }
+        Command::CheckConfig => check_config(&load_settings(&cli)?),
         Command::Rebuild {
             device: d,
             json,
             shard,
-        } => {
-            let s = load_settings(&cli)?;
-            let dev = device(d, &s)?;
-            let ui = Ui {
-                progress: ui.progress && !json,
-            };
-            let shard = match shard {
-                Some(v) => Some(
-                    ailhd::shard::Shard::parse(v, &|k| std::env::var(k).ok())
-                        .map_err(|e| UsageError(e.to_string()))?,
-                ),
-                None => None,
-            };
-            let report = ailhd::rebuild::rebuild_shard(&s, dev, &ui, shard)?;
-            if *json {
-                println!("{}", ailhd::json::render(&report)?);
-            } else {
-                print!("{}", ailhd::rebuild::summary(&s, &report));
-            }
-            Ok(())
-        }
+        } => rebuild(&load_settings(&cli)?, d, *json, shard, &ui),
         Command::Merge {
             inputs,
             into,
             npy,
             json,
-        } => {
-            let s = load_settings(&cli)?;
-            let report =
-                ailhd::merge::merge(&s.outputs.hdf5_names, inputs, into, *npy).map_err(|e| {
-                    match e.downcast::<ailhd::merge::Refused>() {
-                        Ok(r) => UsageError(format!("merge refused: {r}")).into(),
-                        Err(e) => e,
-                    }
-                })?;
-            if *json {
-                println!("{}", ailhd::json::render(&report)?);
-            } else {
-                print!("{}", ailhd::merge::summary(&report));
-            }
-            Ok(())
-        }
-        Command::Status { json, png } => {
-            let s = load_settings(&cli)?;
-            let r = ailhd::status::load(&s)?;
-            if let Some(out) = png {
-                ailhd::status::write_png(&s, &r, out)?;
-            }
-            if *json {
-                println!("{}", ailhd::json::render(&r)?);
-            } else {
-                print!("{}", ailhd::status::render(&r));
-                if let Some(out) = png {
-                    println!("picture: {}", out.display());
-                }
-            }
-            Ok(())
-        }
-        Command::Inspect { file, json, png } => {
-            let s = load_settings(&cli)?;
-            let found = ailhd::inspect::inspect(&s, file)?;
-            if let Some(out) = png {
-                ailhd::inspect::write_png(&s, &found, out)?;
-            }
-            if *json {
-                println!("{}", ailhd::json::render(&found.info)?);
-            } else {
-                print!("{}", ailhd::inspect::render(&found.info));
-                if let Some(out) = png {
-                    println!("  picture: {}", out.display());
-                }
-            }
-            Ok(())
-        }
+        } => merge(&load_settings(&cli)?, inputs, into, *npy, *json),
+        Command::Status { json, png } => status(&load_settings(&cli)?, *json, png),
+        Command::Inspect { file, json, png } => inspect(&load_settings(&cli)?, file, *json, png),
         Command::Demo { dir } => {
             let s = load_settings(&cli)?;
             std::fs::create_dir_all(dir)?;
@@ -268,21 +188,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             let s = load_settings(&cli)?;
             ailhd::doctor::run_doctor(&s.features, &s.gpu, *json)
         }
-        Command::Reload { pid } => {
-            let s = load_settings(&cli)?;
-            let wait = std::time::Duration::from_secs(30);
-            match ailhd::reload::request(&s, *pid, wait)? {
-                ailhd::reload::Outcome::Accepted(r) => {
-                    println!("pid {}: {} (reload {})", r.pid, r.message, r.generation);
-                    Ok(())
-                }
-                ailhd::reload::Outcome::Refused(r) => Err(UsageError(format!(
-                    "pid {} refused the new configuration and keeps the running one: {}",
-                    r.pid, r.message
-                ))
-                .into()),
-            }
-        }
+        Command::Reload { pid } => reload(&load_settings(&cli)?, *pid),
         // Generated from the command line itself (clap_complete, clap_mangen), so they always
         // match it; packaging/ holds copies for the .deb (tests/package.rs keeps them current).
         Command::Completions { shell } => {
@@ -302,5 +208,116 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             s.check_paths()?;
             ailhd::service::run(s, cli.config.clone())
         }
+    }
+}
+
+fn check_config(s: &Settings) -> anyhow::Result<()> {
+    s.check_paths()?;
+    for p in ailhd::staging::remove_stale(s)? {
+        println!("removed {}, left by an interrupted rebuild", p.display());
+    }
+    let shape = s.features.shape();
+    println!(
+        "configuration OK: recordings {}, output {}, state {}; rows of {:?}",
+        s.paths.recordings.display(),
+        s.paths.output.display(),
+        s.paths.state.display(),
+        shape.row_dims()
+    );
+    Ok(())
+}
+
+fn rebuild(
+    s: &Settings,
+    d: &Option<String>,
+    json: bool,
+    shard: &Option<String>,
+    ui: &Ui,
+) -> anyhow::Result<()> {
+    let dev = device(d, s)?;
+    let ui = Ui {
+        progress: ui.progress && !json,
+    };
+    let shard = match shard {
+        Some(v) => Some(
+            ailhd::shard::Shard::parse(v, &|k| std::env::var(k).ok())
+                .map_err(|e| UsageError(e.to_string()))?,
+        ),
+        None => None,
+    };
+    let report = ailhd::rebuild::rebuild_shard(s, dev, &ui, shard)?;
+    if json {
+        println!("{}", ailhd::json::render(&report)?);
+    } else {
+        print!("{}", ailhd::rebuild::summary(s, &report));
+    }
+    Ok(())
+}
+
+fn merge(
+    s: &Settings,
+    inputs: &[PathBuf],
+    into: &Path,
+    npy: bool,
+    json: bool,
+) -> anyhow::Result<()> {
+    let report = ailhd::merge::merge(&s.outputs.hdf5_names, inputs, into, npy).map_err(|e| {
+        match e.downcast::<ailhd::merge::Refused>() {
+            Ok(r) => UsageError(format!("merge refused: {r}")).into(),
+            Err(e) => e,
+        }
+    })?;
+    if json {
+        println!("{}", ailhd::json::render(&report)?);
+    } else {
+        print!("{}", ailhd::merge::summary(&report));
+    }
+    Ok(())
+}
+
+fn status(s: &Settings, json: bool, png: &Option<PathBuf>) -> anyhow::Result<()> {
+    let r = ailhd::status::load(s)?;
+    if let Some(out) = png {
+        ailhd::status::write_png(s, &r, out)?;
+    }
+    if json {
+        println!("{}", ailhd::json::render(&r)?);
+    } else {
+        print!("{}", ailhd::status::render(&r));
+        if let Some(out) = png {
+            println!("picture: {}", out.display());
+        }
+    }
+    Ok(())
+}
+
+fn inspect(s: &Settings, file: &Path, json: bool, png: &Option<PathBuf>) -> anyhow::Result<()> {
+    let found = ailhd::inspect::inspect(s, file)?;
+    if let Some(out) = png {
+        ailhd::inspect::write_png(s, &found, out)?;
+    }
+    if json {
+        println!("{}", ailhd::json::render(&found.info)?);
+    } else {
+        print!("{}", ailhd::inspect::render(&found.info));
+        if let Some(out) = png {
+            println!("  picture: {}", out.display());
+        }
+    }
+    Ok(())
+}
+
+fn reload(s: &Settings, pid: Option<u32>) -> anyhow::Result<()> {
+    let wait = std::time::Duration::from_secs(30);
+    match ailhd::reload::request(s, pid, wait)? {
+        ailhd::reload::Outcome::Accepted(r) => {
+            println!("pid {}: {} (reload {})", r.pid, r.message, r.generation);
+            Ok(())
+        }
+        ailhd::reload::Outcome::Refused(r) => Err(UsageError(format!(
+            "pid {} refused the new configuration and keeps the running one: {}",
+            r.pid, r.message
+        ))
+        .into()),
     }
 }

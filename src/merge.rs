@@ -476,66 +476,14 @@ fn read_source(path: &Path) -> Result<Source> {
         // The virtual datasets name their sources by UTF-8 paths.
         return Err(bad("the path is not valid UTF-8".into()));
     }
-    let schema = file
-        .attr("schema_version")
-        .and_then(|a| a.read_scalar::<u32>())
-        .map_err(|e| {
-            bad(format!(
-                "no readable schema_version ({e}): not an ailhd output"
-            ))
-        })?;
-    if schema != OUTPUT_SCHEMA_VERSION {
-        return Err(bad(format!(
-            "output layout version {schema}; this ailhd merges version {OUTPUT_SCHEMA_VERSION} \
-             (rebuild it with this version)"
-        )));
-    }
-    if file.attr("merged_from_json").is_ok() {
-        return Err(bad(
-            "is itself a merge; merge the original outputs instead (a merge of merges would \
-             chain virtual datasets)"
-                .into(),
-        ));
-    }
+    check_mergeable(&file, &path, &bad)?;
     let text = |name: &str| read_text_attr(&file, name).map_err(|e| bad(format!("{e:#}")));
     let fingerprint = text("feature_fingerprint")?;
     let config_json = text("config_json")?;
     let labels: Vec<String> = serde_json::from_str(&text("labels_json")?)
         .map_err(|e| bad(format!("labels_json is not a JSON list of names ({e})")))?;
-    let committed = match file
-        .dataset("committed_rows")
-        .and_then(|d| d.read_raw::<i64>())
-        .map_err(|e| bad(format!("no committed_rows ({e})")))?
-        .as_slice()
-    {
-        [c] if *c >= 0 => *c as u64,
-        other => {
-            return Err(bad(format!(
-                "committed_rows holds {other:?}, not one count"
-            )))
-        }
-    };
-    let mut datasets = Vec::new();
-    for name in file.member_names()? {
-        if name == "committed_rows" {
-            continue;
-        }
-        let ds = file
-            .dataset(&name)
-            .map_err(|e| bad(format!("{name}: {e}")))?;
-        let shape = ds.shape();
-        if shape.is_empty() || (shape[0] as u64) < committed {
-            return Err(bad(format!(
-                "dataset {name} has shape {shape:?}, fewer than committed_rows = {committed} rows"
-            )));
-        }
-        datasets.push((name, ds.dtype()?.to_descriptor()?, shape[1..].to_vec()));
-    }
-    for need in ["blake3", "valid", "labels", "segments_mel", "source_path"] {
-        if !datasets.iter().any(|(n, _, _)| n == need) {
-            return Err(bad(format!("no dataset {need}: not an ailhd output")));
-        }
-    }
+    let committed = source_committed_rows(&file, &bad)?;
+    let datasets = source_datasets(&file, committed, &bad)?;
     let raw = |name: &str| -> Result<Vec<u8>> {
         let ds = file.dataset(name)?;
         read_rows(&ds, 0, committed).with_context(|| format!("{}: reading {name}", path.display()))
@@ -574,6 +522,70 @@ fn read_source(path: &Path) -> Result<Source> {
         path_bytes,
         shard,
     })
+}
+
+/// An input this ailhd merges: an output of this layout version, not itself a merge.
+fn check_mergeable(file: &File, path: &Path, bad: &dyn Fn(String) -> anyhow::Error) -> Result<()> {
+    let schema = file
+        .attr("schema_version")
+        .and_then(|a| a.read_scalar::<u32>())
+        .map(u64::from)
+        .map_err(|e| e.to_string());
+    crate::output::check_output_version(path, schema).map_err(|e| refuse(format!("{e:#}")))?;
+    if file.attr("merged_from_json").is_ok() {
+        return Err(bad(
+            "is itself a merge; merge the original outputs instead (a merge of merges would \
+             chain virtual datasets)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+fn source_committed_rows(file: &File, bad: &dyn Fn(String) -> anyhow::Error) -> Result<u64> {
+    match file
+        .dataset("committed_rows")
+        .and_then(|d| d.read_raw::<i64>())
+        .map_err(|e| bad(format!("no committed_rows ({e})")))?
+        .as_slice()
+    {
+        [c] if *c >= 0 => Ok(*c as u64),
+        other => Err(bad(format!(
+            "committed_rows holds {other:?}, not one count"
+        ))),
+    }
+}
+
+/// The row datasets of an input (name, type, row dims), each with at least `committed` rows,
+/// the ones every output has among them.
+#[allow(clippy::type_complexity)]
+fn source_datasets(
+    file: &File,
+    committed: u64,
+    bad: &dyn Fn(String) -> anyhow::Error,
+) -> Result<Vec<(String, TypeDescriptor, Vec<usize>)>> {
+    let mut datasets = Vec::new();
+    for name in file.member_names()? {
+        if name == "committed_rows" {
+            continue;
+        }
+        let ds = file
+            .dataset(&name)
+            .map_err(|e| bad(format!("{name}: {e}")))?;
+        let shape = ds.shape();
+        if shape.is_empty() || (shape[0] as u64) < committed {
+            return Err(bad(format!(
+                "dataset {name} has shape {shape:?}, fewer than committed_rows = {committed} rows"
+            )));
+        }
+        datasets.push((name, ds.dtype()?.to_descriptor()?, shape[1..].to_vec()));
+    }
+    for need in ["blake3", "valid", "labels", "segments_mel", "source_path"] {
+        if !datasets.iter().any(|(n, _, _)| n == need) {
+            return Err(bad(format!("no dataset {need}: not an ailhd output")));
+        }
+    }
+    Ok(datasets)
 }
 
 fn check_compatible(first: &Source, src: &Source) -> Result<()> {
@@ -816,6 +828,30 @@ fn sync_dir(dir: &Path) -> Result<()> {
 /// Copy the merged rows into `npy/<split>/` (through the merged files' virtual datasets).
 /// Built beside the old copies and swapped in when complete. Returns the bytes written.
 fn copy_npy(names: &HdfNames, out: &Path, labels: &[String], first: &Source) -> Result<u64> {
+    let header = npy_header(labels, first)?;
+    let building = out.join("npy.partial");
+    if building.exists() {
+        std::fs::remove_dir_all(&building)?;
+    }
+    let mut bytes = 0;
+    for (split, split_name) in SPLITS.iter().enumerate() {
+        let dir = building.join(split_name);
+        std::fs::create_dir_all(&building)?;
+        let file = File::with_options()
+            .set_fapl(&file_access()?)?
+            .open(out.join(names.for_split(split)))?;
+        copy_split_npy(&file, &dir, &header)?;
+        for e in std::fs::read_dir(&dir)? {
+            bytes += e?.metadata()?.len();
+        }
+    }
+    swap_in_npy(out, &building)?;
+    Ok(bytes)
+}
+
+/// The npy copies' header: the inputs' feature settings (read back from their `config_json`,
+/// which must give their fingerprint) and `source_path` width.
+fn npy_header(labels: &[String], first: &Source) -> Result<OutputHeader> {
     let features: FeatureSettings = serde_json::from_str(&first.config_json).map_err(|e| {
         refuse(format!(
             "--npy: config_json of {} cannot be read by this ailhd ({e}); merge without --npy",
@@ -837,82 +873,94 @@ fn copy_npy(names: &HdfNames, out: &Path, labels: &[String], first: &Source) -> 
             _ => 0,
         })
         .unwrap_or(0);
-    let header = OutputHeader {
+    Ok(OutputHeader {
         labels: labels.to_vec(),
         features,
         path_bytes,
-    };
-    let building = out.join("npy.partial");
-    if building.exists() {
-        std::fs::remove_dir_all(&building)?;
-    }
-    let mut bytes = 0;
-    for (split, split_name) in SPLITS.iter().enumerate() {
-        let dir = building.join(split_name);
-        std::fs::create_dir_all(&building)?;
-        let mut sink = NpySink::create(&dir, &header)?;
-        let file = File::with_options()
-            .set_fapl(&file_access()?)?
-            .open(out.join(names.for_split(split)))?;
-        let n = file.dataset("committed_rows")?.read_raw::<i64>()?[0] as u64;
-        let store_waveform = header.features.store_waveform;
-        const BLOCK: u64 = 1024;
-        let mut row = 0;
-        while row < n {
-            let k = BLOCK.min(n - row);
-            let col = |name: &str| -> Result<Vec<u8>> { read_rows(&file.dataset(name)?, row, k) };
-            let (mel, labels_b, valid, blake3) = (
-                col("segments_mel")?,
-                col("labels")?,
-                col("valid")?,
-                col("blake3")?,
-            );
-            let (paths, sensors, recs) =
-                (col("source_path")?, col("sensor_id")?, col("recording_id")?);
-            let (at, gain) = (col("recorded_at")?, col("gain_db")?);
-            let waveform = if store_waveform {
-                Some(
-                    col("segments_waveform")?
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                        .collect::<Vec<f32>>(),
-                )
-            } else {
-                None
-            };
-            let text = |b: &[u8]| -> String {
-                let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
-                String::from_utf8_lossy(&b[..end]).into_owned()
-            };
-            let meta: Vec<RowMeta> = (0..k as usize)
-                .map(|i| RowMeta {
-                    label: i16::from_le_bytes([labels_b[2 * i], labels_b[2 * i + 1]]),
-                    blake3: blake3[32 * i..32 * i + 32].try_into().unwrap(),
-                    source_path: text(&paths[path_bytes * i..path_bytes * (i + 1)]),
-                    sensor_id: text(&sensors[ID_BYTES * i..ID_BYTES * (i + 1)]),
-                    recording_id: text(&recs[ID_BYTES * i..ID_BYTES * (i + 1)]),
-                    recorded_at: i64::from_le_bytes(at[8 * i..8 * i + 8].try_into().unwrap()),
-                    gain_db: f32::from_le_bytes(gain[4 * i..4 * i + 4].try_into().unwrap()),
-                })
-                .collect();
-            let mel: Vec<half::f16> = mel
-                .chunks_exact(2)
-                .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
-                .collect();
-            let first_row = sink.append(&mel, waveform.as_deref(), &meta)?;
-            for (i, &v) in valid.iter().enumerate() {
-                if v == 0 {
-                    sink.set_valid(first_row + i as u64, false)?;
-                }
+    })
+}
+
+/// Copy one merged split file's committed rows into a new npy split at `dir`, a block at a
+/// time.
+fn copy_split_npy(file: &File, dir: &Path, header: &OutputHeader) -> Result<()> {
+    let mut sink = NpySink::create(dir, header)?;
+    let n = file.dataset("committed_rows")?.read_raw::<i64>()?[0] as u64;
+    const BLOCK: u64 = 1024;
+    let mut row = 0;
+    while row < n {
+        let k = BLOCK.min(n - row);
+        let block = read_block(file, row, k, header)?;
+        let first_row = sink.append(&block.mel, block.waveform.as_deref(), &block.meta)?;
+        for (i, &v) in block.valid.iter().enumerate() {
+            if v == 0 {
+                sink.set_valid(first_row + i as u64, false)?;
             }
-            row += k;
         }
-        sink.commit()?;
-        Box::new(sink).close()?;
-        for e in std::fs::read_dir(&dir)? {
-            bytes += e?.metadata()?.len();
-        }
+        row += k;
     }
+    sink.commit()?;
+    Box::new(sink).close()
+}
+
+/// Rows of a merged file, as a sink appends them.
+struct Block {
+    mel: Vec<half::f16>,
+    waveform: Option<Vec<f32>>,
+    meta: Vec<RowMeta>,
+    valid: Vec<u8>,
+}
+
+/// Read rows `row..row + k` of every column of a merged split file.
+fn read_block(file: &File, row: u64, k: u64, header: &OutputHeader) -> Result<Block> {
+    let path_bytes = header.path_bytes;
+    let col = |name: &str| -> Result<Vec<u8>> { read_rows(&file.dataset(name)?, row, k) };
+    let (mel, labels_b, valid, blake3) = (
+        col("segments_mel")?,
+        col("labels")?,
+        col("valid")?,
+        col("blake3")?,
+    );
+    let (paths, sensors, recs) = (col("source_path")?, col("sensor_id")?, col("recording_id")?);
+    let (at, gain) = (col("recorded_at")?, col("gain_db")?);
+    let waveform = if header.features.store_waveform {
+        Some(
+            col("segments_waveform")?
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect::<Vec<f32>>(),
+        )
+    } else {
+        None
+    };
+    let text = |b: &[u8]| -> String {
+        let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+        String::from_utf8_lossy(&b[..end]).into_owned()
+    };
+    let meta: Vec<RowMeta> = (0..k as usize)
+        .map(|i| RowMeta {
+            label: i16::from_le_bytes([labels_b[2 * i], labels_b[2 * i + 1]]),
+            blake3: blake3[32 * i..32 * i + 32].try_into().unwrap(),
+            source_path: text(&paths[path_bytes * i..path_bytes * (i + 1)]),
+            sensor_id: text(&sensors[ID_BYTES * i..ID_BYTES * (i + 1)]),
+            recording_id: text(&recs[ID_BYTES * i..ID_BYTES * (i + 1)]),
+            recorded_at: i64::from_le_bytes(at[8 * i..8 * i + 8].try_into().unwrap()),
+            gain_db: f32::from_le_bytes(gain[4 * i..4 * i + 4].try_into().unwrap()),
+        })
+        .collect();
+    let mel: Vec<half::f16> = mel
+        .chunks_exact(2)
+        .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+        .collect();
+    Ok(Block {
+        mel,
+        waveform,
+        meta,
+        valid,
+    })
+}
+
+/// Put the complete copies built in `building` in place of `out/npy`.
+fn swap_in_npy(out: &Path, building: &Path) -> Result<()> {
     let old = out.join("npy.old");
     if old.exists() {
         std::fs::remove_dir_all(&old)?;
@@ -920,12 +968,12 @@ fn copy_npy(names: &HdfNames, out: &Path, labels: &[String], first: &Source) -> 
     if out.join("npy").exists() {
         std::fs::rename(out.join("npy"), &old)?;
     }
-    std::fs::rename(&building, out.join("npy"))?;
+    std::fs::rename(building, out.join("npy"))?;
     sync_dir(out)?;
     if old.exists() {
         std::fs::remove_dir_all(&old)?;
     }
-    Ok(bytes)
+    Ok(())
 }
 
 /// Write the whole of `ds` from `bytes` (its own element type).

@@ -5,7 +5,6 @@ use crate::engine::manifest::{
     encode, ContentRecord, FileRecord, Manifest, ManifestError, RowRef, StoredReason,
     MANIFEST_SCHEMA_VERSION,
 };
-use crate::output::OUTPUT_SCHEMA_VERSION;
 use std::collections::BTreeMap;
 
 /// Refuse a manifest newer than this binary (older ones are upgraded by [`upgrade_manifest`]).
@@ -146,22 +145,14 @@ fn upgrade_manifest_1_to_2(m: &Manifest) -> Result<(), ManifestError> {
     Ok(())
 }
 
-/// The same rule for an output file's `schema_version` attribute.
-pub fn check_output_version(path: &str, found: u32) -> anyhow::Result<()> {
-    if found > OUTPUT_SCHEMA_VERSION {
-        anyhow::bail!(
-            "{path}: output schema version {found} is newer than this ailhd supports ({OUTPUT_SCHEMA_VERSION}): upgrade ailhd or run `ailhd rebuild`"
-        );
-    }
-    if found == 0 {
-        anyhow::bail!("{path}: unknown output schema version {found}: run `ailhd rebuild`");
-    }
-    Ok(())
-}
+/// The same rule for an output file's `schema_version` attribute: one check, beside the
+/// output layout, that every reader of outputs calls.
+pub use crate::output::check_output_version;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::output::OUTPUT_SCHEMA_VERSION;
 
     fn newest(prefix: &str) -> u32 {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
@@ -236,9 +227,12 @@ mod tests {
         assert!(check_manifest_version("m", MANIFEST_SCHEMA_VERSION).is_ok());
         assert!(check_manifest_version("m", MANIFEST_SCHEMA_VERSION + 1).is_err());
         assert!(check_manifest_version("m", 0).is_err());
-        assert!(check_output_version("o", OUTPUT_SCHEMA_VERSION + 1)
-            .unwrap_err()
-            .to_string()
-            .contains("newer"));
+        assert!(check_output_version(
+            std::path::Path::new("o"),
+            Ok(u64::from(OUTPUT_SCHEMA_VERSION) + 1)
+        )
+        .unwrap_err()
+        .to_string()
+        .contains("newer"));
     }
 }

@@ -41,11 +41,11 @@ pub fn record(settings: &Settings, accepted: bool, message: &str) {
         at_ms: crate::engine::manifest::now_ms(),
     };
     let path = result_path(settings);
-    let tmp = path.with_extension("json.tmp");
+    // Atomic for the waiting client, not synced: a reply read within seconds, of no use after
+    // a power cut.
     let written = serde_json::to_vec(&r)
         .map_err(std::io::Error::other)
-        .and_then(|b| std::fs::write(&tmp, b))
-        .and_then(|()| std::fs::rename(&tmp, &path));
+        .and_then(|b| crate::durable::replace(&path, &b, crate::durable::Sync::None));
     if let Err(e) = written {
         log::warn!("cannot write the reload result {}: {e}", path.display());
     }

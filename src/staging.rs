@@ -66,12 +66,13 @@ pub fn swap_in(settings: &Settings) -> anyhow::Result<()> {
             sync_dir(&dir);
         }
     }
-    let j = journal(settings);
-    let tmp = j.with_extension("tmp");
-    std::fs::write(&tmp, b"rebuild swap in progress\n")?;
-    std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, &j)?;
-    sync_dir(&settings.paths.state);
+    // The journal survives a power cut (its bytes, then the state folder, synced) before
+    // anything moves.
+    crate::durable::replace(
+        &journal(settings),
+        b"rebuild swap in progress\n",
+        crate::durable::Sync::Full,
+    )?;
     finish_pending(settings)
 }
 

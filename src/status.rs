@@ -350,56 +350,71 @@ pub fn render(r: &StatusReport) -> String {
         }
     }
     if let Some(svc) = &r.service {
-        let ms = |v: Option<f64>| {
-            v.map(|x| format!("{x:.1} ms"))
-                .unwrap_or_else(|| "-".into())
-        };
+        render_service(&mut s, svc);
+    }
+    render_dataset(&mut s, r);
+    s
+}
+
+/// The running service's own figures: latency, write failures, unwatched folders, errors and
+/// pending paths.
+fn render_service(s: &mut String, svc: &ServiceStatus) {
+    use std::fmt::Write;
+    let ms = |v: Option<f64>| {
+        v.map(|x| format!("{x:.1} ms"))
+            .unwrap_or_else(|| "-".into())
+    };
+    let _ = writeln!(
+        s,
+        "service: pid {} on {}, queue {}, ingested {}, latency p50 {} p90 {} p99 {} \
+         (figures of {:.1} s ago)",
+        svc.pid,
+        svc.device,
+        svc.queue_depth,
+        svc.ingested,
+        ms(svc.latency_ms_p50),
+        ms(svc.latency_ms_p90),
+        ms(svc.latency_ms_p99),
+        svc.age_s
+    );
+    if let Some(f) = &svc.write_failing {
         let _ = writeln!(
             s,
-            "service: pid {} on {}, queue {}, ingested {}, latency p50 {} p90 {} p99 {} \
-             (figures of {:.1} s ago)",
-            svc.pid,
-            svc.device,
-            svc.queue_depth,
-            svc.ingested,
-            ms(svc.latency_ms_p50),
-            ms(svc.latency_ms_p90),
-            ms(svc.latency_ms_p99),
-            svc.age_s
+            "WRITING FAILS for {:.0} s, nothing lost, next try in {:.0} s: {}",
+            (crate::engine::manifest::now_ms() - f.since_ms) as f64 / 1e3,
+            f.retry_in_s,
+            f.error
         );
-        if let Some(f) = &svc.write_failing {
-            let _ = writeln!(
-                s,
-                "WRITING FAILS for {:.0} s, nothing lost, next try in {:.0} s: {}",
-                (crate::engine::manifest::now_ms() - f.since_ms) as f64 / 1e3,
-                f.retry_in_s,
-                f.error
-            );
-        } else if !svc.outputs_open {
-            let _ = writeln!(s, "outputs: closed while idle (plain readers open them)");
-        }
-        for u in &svc.unwatched {
-            let _ = writeln!(
-                s,
-                "NOT WATCHED (retried and rescanned every 10 s): {}",
-                u.reason
-            );
-        }
-        for e in &svc.last_errors {
-            let _ = writeln!(s, "  recent error: {e}");
-        }
-        let _ = writeln!(s, "pending: {}", svc.pending.len());
-        let now = crate::engine::manifest::now_ms();
-        for p in &svc.pending {
-            let _ = writeln!(
-                s,
-                "  {}: {} (for {:.1} s)",
-                p.path,
-                p.why,
-                (now - p.since_ms) as f64 / 1e3
-            );
-        }
+    } else if !svc.outputs_open {
+        let _ = writeln!(s, "outputs: closed while idle (plain readers open them)");
     }
+    for u in &svc.unwatched {
+        let _ = writeln!(
+            s,
+            "NOT WATCHED (retried and rescanned every 10 s): {}",
+            u.reason
+        );
+    }
+    for e in &svc.last_errors {
+        let _ = writeln!(s, "  recent error: {e}");
+    }
+    let _ = writeln!(s, "pending: {}", svc.pending.len());
+    let now = crate::engine::manifest::now_ms();
+    for p in &svc.pending {
+        let _ = writeln!(
+            s,
+            "  {}: {} (for {:.1} s)",
+            p.path,
+            p.why,
+            (now - p.since_ms) as f64 / 1e3
+        );
+    }
+}
+
+/// The recorded dataset: files per state, rows per split and label, quarantine and label
+/// conflicts.
+fn render_dataset(s: &mut String, r: &StatusReport) {
+    use std::fmt::Write;
     let files: Vec<String> = r.files.iter().map(|(k, v)| format!("{k} {v}")).collect();
     let _ = writeln!(
         s,
@@ -443,7 +458,6 @@ pub fn render(r: &StatusReport) -> String {
             paths.join(", ")
         );
     }
-    s
 }
 
 /// `status --png OUT.png`: the picture of the dataset (see [`crate::plot::dataset`]), from the
@@ -455,7 +469,11 @@ pub fn write_png(
     out: &std::path::Path,
 ) -> anyhow::Result<()> {
     let cols = crate::output::read::read(settings)?;
-    crate::plot::dataset::write(out, &settings.paths.output, report, &cols)
+    let title = crate::plot::dataset::Title {
+        files: &report.files,
+        writer: report.writer.as_deref(),
+    };
+    crate::plot::dataset::write(out, &settings.paths.output, &title, &cols)
 }
 
 #[cfg(test)]

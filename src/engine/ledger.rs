@@ -247,16 +247,10 @@ impl Ledger {
     }
 
     /// Take a content into this batch's working set, remembering how it was before.
-    fn touch(
-        &self,
-        store: &dyn Store,
-        before: &mut BTreeMap<Hash, Option<ContentRecord>>,
-        current: &mut HashMap<Hash, ContentRecord>,
-        h: Hash,
-    ) -> anyhow::Result<()> {
-        if let std::collections::btree_map::Entry::Vacant(e) = before.entry(h) {
+    fn touch(&self, store: &dyn Store, work: &mut Batch, h: Hash) -> anyhow::Result<()> {
+        if let std::collections::btree_map::Entry::Vacant(e) = work.before.entry(h) {
             let c = self.content(store, &h)?;
-            current.insert(
+            work.current.insert(
                 h,
                 c.clone().unwrap_or(ContentRecord {
                     row: None,
@@ -272,16 +266,36 @@ impl Ledger {
 
     /// Decide a batch. Within a batch, the last observation of a path counts.
     pub fn decide(&mut self, store: &dyn Store, batch: Vec<Observation>) -> anyhow::Result<Plan> {
+        let mut work = self.begin_batch();
+        let labels_before = self.labels.names.len();
+        for (rel, o) in self.last_per_path(store, batch)? {
+            self.observe(store, &mut work, rel, o)?;
+        }
+        let contents = self.settle_contents(&mut work)?;
+        Ok(self.finish(work, contents, labels_before))
+    }
+
+    /// Drop the cache entries that are durable now and open the next batch.
+    fn begin_batch(&mut self) -> Batch {
         let durable = self.committed.load(Ordering::Acquire);
         self.files.retain(|_, (_, g)| *g > durable);
         self.contents.retain(|_, (_, g)| *g > durable);
         self.gen += 1;
-        let mut plan = Plan {
-            gen: self.gen,
-            ..Plan::default()
-        };
-        let labels_before = self.labels.names.len();
+        Batch {
+            plan: Plan {
+                gen: self.gen,
+                ..Plan::default()
+            },
+            ..Batch::default()
+        }
+    }
 
+    /// The last observation of each path, with a gone folder expanded to its recorded paths.
+    fn last_per_path(
+        &self,
+        store: &dyn Store,
+        batch: Vec<Observation>,
+    ) -> anyhow::Result<BTreeMap<String, Observation>> {
         let mut last: BTreeMap<String, Observation> = BTreeMap::new();
         for o in batch {
             if let Observation::FolderGone(folder) = &o {
@@ -292,230 +306,261 @@ impl Ledger {
                 last.insert(o.rel().to_string(), o);
             }
         }
+        Ok(last)
+    }
 
-        // Contents this batch touched, as they were before it.
-        let mut before: BTreeMap<Hash, Option<ContentRecord>> = BTreeMap::new();
-        let mut current: HashMap<Hash, ContentRecord> = HashMap::new();
-        let mut waves: HashMap<Hash, Waveform> = HashMap::new();
-        let mut files: BTreeMap<String, Option<FileRecord>> = BTreeMap::new();
-        let mut seen: HashMap<String, Instant> = HashMap::new();
+    /// One path's observation: what it binds the path to, letting go of the bytes it held.
+    fn observe(
+        &mut self,
+        store: &dyn Store,
+        work: &mut Batch,
+        rel: String,
+        o: Observation,
+    ) -> anyhow::Result<()> {
+        let old = self.file(store, &rel)?;
+        let old_hold = old.as_ref().and_then(|f| f.holds().copied());
+        let binding = self.bind(&rel, o, work);
+        let holds_now = match &binding {
+            Binding::Holds { hash, .. } => Some(*hash),
+            _ => None,
+        };
+        if let Some(h) = old_hold.filter(|h| Some(*h) != holds_now) {
+            self.let_go(store, work, h, &rel)?;
+        }
+        match binding {
+            Binding::Nothing => record_nothing(work, rel, old.is_some()),
+            Binding::Quarantine {
+                reason,
+                hash,
+                size,
+                mtime_ns,
+            } => record_quarantine(work, rel, reason, hash, size, mtime_ns),
+            Binding::Holds {
+                hash,
+                size,
+                mtime_ns,
+            } => self.record_holds(store, work, rel, old_hold, hash, size, mtime_ns)?,
+        }
+        Ok(())
+    }
 
-        for (rel, o) in last {
-            let old = self.file(store, &rel)?;
-            let old_hold = old.as_ref().and_then(|f| f.holds().copied());
-            let binding = match o {
-                Observation::Gone(_)
-                | Observation::Loaded(Loaded {
-                    load: Load::Vanished,
-                    ..
-                }) => Binding::Nothing,
-                Observation::FolderGone(_) => unreachable!("expanded above"),
-                Observation::Rejected {
-                    reason,
-                    size,
-                    mtime_ns,
-                    ..
-                } => Binding::Quarantine {
-                    reason,
-                    hash: None,
-                    size,
-                    mtime_ns,
-                },
-                Observation::Loaded(Loaded {
-                    load: Load::Unreadable(e),
-                    ..
-                }) => Binding::Quarantine {
-                    reason: Reason::Unreadable(e),
-                    hash: None,
-                    size: 0,
-                    mtime_ns: 0,
-                },
-                Observation::Loaded(Loaded {
-                    load:
-                        Load::Rejected {
-                            size,
-                            mtime_ns,
-                            reason,
-                        },
-                    ..
-                }) => Binding::Quarantine {
-                    reason,
-                    hash: None,
-                    size,
-                    mtime_ns,
-                },
-                Observation::Loaded(Loaded {
-                    seen: seen_at,
-                    load:
-                        Load::Read {
-                            size,
-                            mtime_ns,
-                            hash,
-                            decoded,
-                        },
-                    ..
-                }) => {
-                    let placed = decoded.and_then(|w| {
-                        self.place(&rel, &hash)
-                            .map(|_| w)
-                            .map_err(Reason::Placement)
-                    });
-                    match placed {
-                        Err(reason) => Binding::Quarantine {
-                            reason,
-                            hash: Some(hash),
-                            size,
-                            mtime_ns,
-                        },
-                        Ok(wave) => {
-                            waves.entry(hash).or_insert(wave);
-                            if let Some(t) = seen_at {
-                                seen.insert(rel.clone(), t);
-                            }
-                            Binding::Holds {
-                                hash,
-                                size,
-                                mtime_ns,
-                            }
-                        }
-                    }
-                }
-            };
-            let holds_now = match &binding {
-                Binding::Holds { hash, .. } => Some(*hash),
-                _ => None,
-            };
-            if let Some(h) = old_hold.filter(|h| Some(*h) != holds_now) {
-                self.touch(store, &mut before, &mut current, h)?;
-                let paths = &mut current.get_mut(&h).expect("touched").paths;
-                if let Ok(i) = paths.binary_search(&rel) {
-                    paths.remove(i);
-                }
-            }
-            match binding {
-                Binding::Nothing => {
-                    if old.is_some() {
-                        plan.counts.removed += 1;
-                        files.insert(rel, None);
-                    }
-                }
-                Binding::Quarantine {
-                    reason,
-                    hash,
-                    size,
-                    mtime_ns,
-                } => {
-                    files.insert(
-                        rel.clone(),
-                        Some(FileRecord {
-                            hash,
-                            size,
-                            mtime_ns,
-                            quarantine: Some(reason.stored()),
-                            updated_ms: now_ms(),
-                        }),
-                    );
-                    plan.counts.quarantined += 1;
-                    plan.quarantined.push((rel, reason));
+    /// How an observation binds its path, by its kind.
+    fn bind(&mut self, rel: &str, o: Observation, work: &mut Batch) -> Binding {
+        match o {
+            Observation::Gone(_)
+            | Observation::Loaded(Loaded {
+                load: Load::Vanished,
+                ..
+            }) => Binding::Nothing,
+            Observation::FolderGone(_) => unreachable!("expanded by last_per_path"),
+            Observation::Rejected {
+                reason,
+                size,
+                mtime_ns,
+                ..
+            } => Binding::quarantine(reason, None, size, mtime_ns),
+            Observation::Loaded(Loaded {
+                load: Load::Unreadable(e),
+                ..
+            }) => Binding::quarantine(Reason::Unreadable(e), None, 0, 0),
+            Observation::Loaded(Loaded {
+                load:
+                    Load::Rejected {
+                        size,
+                        mtime_ns,
+                        reason,
+                    },
+                ..
+            }) => Binding::quarantine(reason, None, size, mtime_ns),
+            Observation::Loaded(Loaded {
+                seen,
+                load:
+                    Load::Read {
+                        size,
+                        mtime_ns,
+                        hash,
+                        decoded,
+                    },
+                ..
+            }) => self.bind_read(rel, seen, (size, mtime_ns, hash), decoded, work),
+        }
+    }
+
+    /// Bytes read: held when decoded and placeable (the wave kept for the row), else
+    /// quarantined with their hash.
+    fn bind_read(
+        &mut self,
+        rel: &str,
+        seen: Option<Instant>,
+        (size, mtime_ns, hash): (u64, i64, Hash),
+        decoded: Result<Waveform, Reason>,
+        work: &mut Batch,
+    ) -> Binding {
+        let placed =
+            decoded.and_then(|w| self.place(rel, &hash).map(|_| w).map_err(Reason::Placement));
+        match placed {
+            Err(reason) => Binding::quarantine(reason, Some(hash), size, mtime_ns),
+            Ok(wave) => {
+                work.waves.entry(hash).or_insert(wave);
+                if let Some(t) = seen {
+                    work.seen.insert(rel.to_string(), t);
                 }
                 Binding::Holds {
                     hash,
                     size,
                     mtime_ns,
-                } => {
-                    if old_hold == Some(hash) {
-                        plan.counts.unchanged += 1;
-                        // Its row may be waiting to be made anew (a reread).
-                        if self.content(store, &hash)?.is_none_or(|c| c.row.is_none()) {
-                            self.touch(store, &mut before, &mut current, hash)?;
-                        }
-                    } else {
-                        self.touch(store, &mut before, &mut current, hash)?;
-                        let paths = &mut current.get_mut(&hash).expect("touched").paths;
-                        if let Err(i) = paths.binary_search(&rel) {
-                            paths.insert(i, rel.clone());
-                        }
-                    }
-                    files.insert(
-                        rel,
-                        Some(FileRecord {
-                            hash: Some(hash),
-                            size,
-                            mtime_ns,
-                            quarantine: None,
-                            updated_ms: now_ms(),
-                        }),
-                    );
                 }
             }
         }
+    }
 
-        // Each touched content: who owns it now, and what its row needs.
-        let mut contents: Vec<(Hash, Option<ContentRecord>)> = Vec::new();
-        for (hash, was) in before {
-            let mut c = current.remove(&hash).expect("touched");
-            let Some(owner) = c.paths.first().cloned() else {
-                match c.row {
-                    Some(at) => {
-                        if c.valid {
-                            plan.edits.push(Edit::Valid { at, valid: false });
-                            c.valid = false;
-                        }
-                        contents.push((hash, Some(c)));
-                    }
-                    None if was.is_some() => contents.push((hash, None)),
-                    None => {}
-                }
-                continue;
+    /// `rel` no longer holds the bytes `h`: it leaves their paths.
+    fn let_go(
+        &self,
+        store: &dyn Store,
+        work: &mut Batch,
+        h: Hash,
+        rel: &str,
+    ) -> anyhow::Result<()> {
+        self.touch(store, work, h)?;
+        let paths = &mut work.current.get_mut(&h).expect("touched").paths;
+        if let Ok(i) = paths.binary_search_by(|p| p.as_str().cmp(rel)) {
+            paths.remove(i);
+        }
+        Ok(())
+    }
+
+    /// `rel` holds `hash`: recorded, and among the bytes' paths (unchanged when it held them).
+    #[allow(clippy::too_many_arguments)]
+    fn record_holds(
+        &self,
+        store: &dyn Store,
+        work: &mut Batch,
+        rel: String,
+        old_hold: Option<Hash>,
+        hash: Hash,
+        size: u64,
+        mtime_ns: i64,
+    ) -> anyhow::Result<()> {
+        if old_hold == Some(hash) {
+            work.plan.counts.unchanged += 1;
+            // Its row may be waiting to be made anew (a reread).
+            if self.content(store, &hash)?.is_none_or(|c| c.row.is_none()) {
+                self.touch(store, work, hash)?;
+            }
+        } else {
+            self.touch(store, work, hash)?;
+            let paths = &mut work.current.get_mut(&hash).expect("touched").paths;
+            if let Err(i) = paths.binary_search(&rel) {
+                paths.insert(i, rel.clone());
+            }
+        }
+        work.files.insert(
+            rel,
+            Some(FileRecord {
+                hash: Some(hash),
+                size,
+                mtime_ns,
+                quarantine: None,
+                updated_ms: now_ms(),
+            }),
+        );
+        Ok(())
+    }
+
+    /// Each touched content: who owns it now, and what its row needs.
+    fn settle_contents(
+        &mut self,
+        work: &mut Batch,
+    ) -> anyhow::Result<Vec<(Hash, Option<ContentRecord>)>> {
+        let mut contents = Vec::new();
+        for (hash, was) in std::mem::take(&mut work.before) {
+            let c = work.current.remove(&hash).expect("touched");
+            let settled = match c.paths.first().cloned() {
+                None => orphaned(&mut work.plan, c, was.is_some()),
+                Some(owner) => Some(self.owned(work, hash, c, was.as_ref(), owner)?),
             };
-            let placement = self
-                .place(&owner, &hash)
-                .map_err(|e| anyhow::anyhow!("{owner} was placed, now: {e}"))?;
-            let meta = row_meta(&owner, &hash, placement.label);
-            match c.row {
-                Some(at) if at.split as usize == placement.split => {
-                    if !c.valid {
-                        plan.edits.push(Edit::Valid { at, valid: true });
-                        c.valid = true;
-                    }
-                    let was_owner = was.as_ref().and_then(|w| w.owner().map(str::to_string));
-                    if was_owner.as_deref() != Some(owner.as_str()) || c.label != placement.label {
-                        plan.edits.push(Edit::Owner { at, meta });
-                        c.label = placement.label;
-                    }
-                    plan.counts.attached += 1;
-                }
-                old_row => {
-                    if let (Some(at), true) = (old_row, c.valid) {
-                        plan.edits.push(Edit::Valid { at, valid: false });
-                    }
-                    match waves.remove(&hash) {
-                        Some(wave) => {
-                            let split = placement.split;
-                            let row = self.rows[split];
-                            self.rows[split] += 1;
-                            plan.new_rows[split].push(NewRow { row, meta, wave });
-                            c.row = Some(RowRef {
-                                split: split as u8,
-                                row,
-                            });
-                            c.valid = true;
-                            c.label = placement.label;
-                            plan.counts.new_rows += 1;
-                        }
-                        None => {
-                            // The old row (if any) is retired above; the new one waits for
-                            // the owner to be read again.
-                            c.row = None;
-                            c.valid = false;
-                            plan.reread.push(owner);
-                        }
-                    }
-                }
+            if let Some(c) = settled {
+                contents.push((hash, c));
             }
-            contents.push((hash, Some(c)));
         }
+        Ok(contents)
+    }
 
+    /// A content with an owner: its row stays when the owner's split is the row's, else it is
+    /// retired and made anew in the owner's split.
+    fn owned(
+        &mut self,
+        work: &mut Batch,
+        hash: Hash,
+        mut c: ContentRecord,
+        was: Option<&ContentRecord>,
+        owner: String,
+    ) -> anyhow::Result<Option<ContentRecord>> {
+        let placement = self
+            .place(&owner, &hash)
+            .map_err(|e| anyhow::anyhow!("{owner} was placed, now: {e}"))?;
+        let meta = row_meta(&owner, &hash, placement.label);
+        match c.row {
+            Some(at) if at.split as usize == placement.split => {
+                keep_row(&mut work.plan, &mut c, at, was, meta);
+            }
+            _ => self.remake_row(work, &mut c, hash, owner, meta, placement.split),
+        }
+        Ok(Some(c))
+    }
+
+    /// The owner's split is not the row's (or there is no row): the old row is retired, and a
+    /// new one made from this batch's wave, or the owner is read again to make it.
+    fn remake_row(
+        &mut self,
+        work: &mut Batch,
+        c: &mut ContentRecord,
+        hash: Hash,
+        owner: String,
+        meta: RowMeta,
+        split: usize,
+    ) {
+        if let (Some(at), true) = (c.row, c.valid) {
+            work.plan.edits.push(Edit::Valid { at, valid: false });
+        }
+        match work.waves.remove(&hash) {
+            Some(wave) => {
+                let row = self.rows[split];
+                self.rows[split] += 1;
+                c.row = Some(RowRef {
+                    split: split as u8,
+                    row,
+                });
+                c.valid = true;
+                c.label = meta.label;
+                work.plan.new_rows[split].push(NewRow { row, meta, wave });
+                work.plan.counts.new_rows += 1;
+            }
+            None => {
+                // The old row (if any) is retired above; the new one waits for the owner to
+                // be read again.
+                c.row = None;
+                c.valid = false;
+                work.plan.reread.push(owner);
+            }
+        }
+    }
+
+    /// The plan's records, written into the cache too, with the latency instants of the paths
+    /// that hold rows, the label list when it grew and the row counts.
+    fn finish(
+        &mut self,
+        work: Batch,
+        contents: Vec<(Hash, Option<ContentRecord>)>,
+        labels_before: usize,
+    ) -> Plan {
+        let Batch {
+            mut plan,
+            files,
+            seen,
+            ..
+        } = work;
         for (rel, rec) in &files {
             if rec.as_ref().is_some_and(|r| r.holds().is_some()) {
                 if let Some(t) = seen.get(rel) {
@@ -541,8 +586,107 @@ impl Ledger {
             plan.labels = Some(self.labels.names.clone());
         }
         plan.rows = self.rows;
-        Ok(plan)
+        plan
     }
+}
+
+/// One batch's working state while it is decided.
+#[derive(Default)]
+struct Batch {
+    plan: Plan,
+    /// Contents this batch touched, as they were before it.
+    before: BTreeMap<Hash, Option<ContentRecord>>,
+    /// The same contents as this batch leaves them.
+    current: HashMap<Hash, ContentRecord>,
+    /// The decoded recordings of the bytes read in this batch.
+    waves: HashMap<Hash, Waveform>,
+    files: BTreeMap<String, Option<FileRecord>>,
+    /// When each path read in this batch was seen complete.
+    seen: HashMap<String, Instant>,
+}
+
+impl Binding {
+    fn quarantine(reason: Reason, hash: Option<Hash>, size: u64, mtime_ns: i64) -> Binding {
+        Binding::Quarantine {
+            reason,
+            hash,
+            size,
+            mtime_ns,
+        }
+    }
+}
+
+/// A path that holds nothing: its record goes (it is counted removed) if it had one.
+fn record_nothing(work: &mut Batch, rel: String, had_record: bool) {
+    if had_record {
+        work.plan.counts.removed += 1;
+        work.files.insert(rel, None);
+    }
+}
+
+/// A path that cannot be used: recorded with the reason (and the hash when its bytes were read).
+fn record_quarantine(
+    work: &mut Batch,
+    rel: String,
+    reason: Reason,
+    hash: Option<Hash>,
+    size: u64,
+    mtime_ns: i64,
+) {
+    work.files.insert(
+        rel.clone(),
+        Some(FileRecord {
+            hash,
+            size,
+            mtime_ns,
+            quarantine: Some(reason.stored()),
+            updated_ms: now_ms(),
+        }),
+    );
+    work.plan.counts.quarantined += 1;
+    work.plan.quarantined.push((rel, reason));
+}
+
+/// A content no path holds: its row turns invalid (the record stays, for when the bytes come
+/// back); without a row its record goes (None: nothing to store). The outer Option is whether
+/// anything is stored.
+fn orphaned(
+    plan: &mut Plan,
+    mut c: ContentRecord,
+    was_recorded: bool,
+) -> Option<Option<ContentRecord>> {
+    match c.row {
+        Some(at) => {
+            if c.valid {
+                plan.edits.push(Edit::Valid { at, valid: false });
+                c.valid = false;
+            }
+            Some(Some(c))
+        }
+        None if was_recorded => Some(None),
+        None => None,
+    }
+}
+
+/// The owner's split is the row's: the row is valid, and its label and path columns are
+/// rewritten in place when the owner or its label changed.
+fn keep_row(
+    plan: &mut Plan,
+    c: &mut ContentRecord,
+    at: RowRef,
+    was: Option<&ContentRecord>,
+    meta: RowMeta,
+) {
+    if !c.valid {
+        plan.edits.push(Edit::Valid { at, valid: true });
+        c.valid = true;
+    }
+    let was_owner = was.and_then(|w| w.owner());
+    if was_owner != Some(meta.source_path.as_str()) || c.label != meta.label {
+        c.label = meta.label;
+        plan.edits.push(Edit::Owner { at, meta });
+    }
+    plan.counts.attached += 1;
 }
 
 /// The columns of a row owned by `rel`.
@@ -921,6 +1065,114 @@ pub(crate) mod tests {
         assert_eq!(w.model.contents[&h(b"a")].paths.len(), 2);
         w.apply(vec![]);
         assert!(w.ledger.files.len() <= 1, "durable entries leave the cache");
+    }
+
+    /// bind: a read that finds the file gone binds the path to nothing, like a delete.
+    #[test]
+    fn a_vanished_read_lets_go_like_a_delete() {
+        let mut w = World::new(SplitMode::Hash);
+        w.apply(vec![read("LEAK/a.wav", b"a")]);
+        let vanished = Observation::Loaded(Loaded {
+            rel: "LEAK/a.wav".into(),
+            seen: None,
+            load: Load::Vanished,
+        });
+        let (c, edits, _) = w.apply(vec![vanished]);
+        assert_eq!((c.removed, c.quarantined), (1, 0));
+        assert!(matches!(&edits[..], [Edit::Valid { valid: false, .. }]));
+        assert!(!w.model.files.contains_key("LEAK/a.wav"));
+        assert_eq!(w.row_of(b"a"), None);
+    }
+
+    /// record_nothing: a path never recorded that goes changes nothing.
+    #[test]
+    fn an_unknown_path_that_goes_changes_nothing() {
+        let mut w = World::new(SplitMode::Hash);
+        let plan = w
+            .ledger
+            .decide(&w.model, vec![gone("LEAK/never.wav")])
+            .unwrap();
+        assert_eq!(plan.counts, Counts::default());
+        assert!(plan.files.is_empty() && plan.contents.is_empty() && plan.edits.is_empty());
+    }
+
+    /// bind: unreadable files and files rejected by their header are quarantined without a hash
+    /// (the header's size and mtime kept), and let go of the row they held.
+    #[test]
+    fn unreadable_and_header_rejected_files_are_quarantined_without_a_hash() {
+        let mut w = World::new(SplitMode::Hash);
+        w.apply(vec![read("LEAK/a.wav", b"a"), read("LEAK/b.wav", b"b")]);
+        let unreadable = Observation::Loaded(Loaded {
+            rel: "LEAK/a.wav".into(),
+            seen: None,
+            load: Load::Unreadable("EIO".into()),
+        });
+        let rejected = Observation::Loaded(Loaded {
+            rel: "LEAK/b.wav".into(),
+            seen: None,
+            load: Load::Rejected {
+                size: 7,
+                mtime_ns: 9,
+                reason: Reason::Decode(DecodeError::NotWav),
+            },
+        });
+        let (c, _, _) = w.apply(vec![unreadable, rejected]);
+        assert_eq!(c.quarantined, 2);
+        let a = &w.model.files["LEAK/a.wav"];
+        assert_eq!((a.hash, a.size, a.mtime_ns), (None, 0, 0));
+        assert_eq!(a.quarantine.as_ref().unwrap().kind, "unreadable");
+        let b = &w.model.files["LEAK/b.wav"];
+        assert_eq!((b.hash, b.size, b.mtime_ns), (None, 7, 9));
+        assert_eq!(b.quarantine.as_ref().unwrap().kind, "decode");
+        assert!(w.model.valid_rows().is_empty(), "both rows let go");
+    }
+
+    /// orphaned: a content waiting for a reread (no row) whose last path goes leaves no record.
+    #[test]
+    fn a_content_without_row_or_paths_leaves_no_record() {
+        let mut w = World::new(SplitMode::Directory);
+        w.apply(vec![read("b/LEAK/x.wav", b"x")]);
+        w.apply(vec![read("a/LEAK/x.wav", b"x")]);
+        let (_, _, reread) = w.apply(vec![gone("a/LEAK/x.wav")]);
+        assert_eq!(reread, ["b/LEAK/x.wav"]);
+        assert!(w.model.contents[&h(b"x")].row.is_none());
+        let (c, edits, _) = w.apply(vec![gone("b/LEAK/x.wav")]);
+        assert_eq!(c.removed, 1);
+        assert!(edits.is_empty(), "no row to retire: {edits:?}");
+        assert!(!w.model.contents.contains_key(&h(b"x")));
+    }
+
+    /// finish: the plan carries the latency instants of the paths that hold rows only, and the
+    /// label list only when it grew.
+    #[test]
+    fn a_plan_carries_instants_of_held_paths_and_grown_labels() {
+        let mut w = World::new(SplitMode::Hash);
+        let t = Instant::now();
+        let seen = |rel: &str, bytes: &[u8], decoded| {
+            Observation::Loaded(Loaded {
+                rel: rel.into(),
+                seen: Some(t),
+                load: Load::Read {
+                    size: bytes.len() as u64,
+                    mtime_ns: 1,
+                    hash: h(bytes),
+                    decoded,
+                },
+            })
+        };
+        let plan = w
+            .ledger
+            .decide(
+                &w.model,
+                vec![
+                    seen("LEAK/a.wav", b"a", Ok(wave())),
+                    seen("LEAK/b.wav", b"b", Err(Reason::Decode(DecodeError::NotWav))),
+                ],
+            )
+            .unwrap();
+        assert_eq!(plan.seen, [t]);
+        assert_eq!(plan.labels, None, "LEAK is a configured label");
+        assert_eq!(plan.rows.iter().sum::<u64>(), 1, "one row made");
     }
 
     mod model_based {

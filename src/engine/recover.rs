@@ -61,6 +61,15 @@ struct Identity {
     valid: Vec<u8>,
 }
 
+impl Identity {
+    /// The content hash at index `t` of `blake3` (row `from + t`).
+    fn hash(&self, t: usize) -> Hash {
+        self.blake3[t * 32..t * 32 + 32]
+            .try_into()
+            .expect("32-byte rows")
+    }
+}
+
 /// True when `manifest` has never recorded anything: a new or lost state folder.
 pub fn is_blank(manifest: &Manifest) -> Result<bool> {
     Ok(manifest.files().next().is_none()
@@ -72,8 +81,40 @@ pub fn is_blank(manifest: &Manifest) -> Result<bool> {
 /// Write into the blank `manifest` what the outputs under `settings.paths.output` record.
 /// Returns None when there is nothing to recover (no outputs, or no rows in them).
 pub fn from_outputs(settings: &Settings, manifest: &Manifest) -> Result<Option<Recovered>> {
-    let out = &settings.paths.output;
     let mut found = Recovered::default();
+    let Some((splits, label_names)) = read_committed(settings, &mut found)? else {
+        return Ok(None);
+    };
+    if found.rows == [0; 3] {
+        return Ok(None);
+    }
+    let (contents, owners) = recovered_records(&splits, &mut found);
+    let mut batch = ManifestBatch::default();
+    for (hash, c) in &contents {
+        batch.put_content(hash, c);
+    }
+    for (path, hash) in &owners {
+        batch.put_file(path, &to_read_again(*hash));
+    }
+    for (split, &rows) in found.rows.iter().enumerate() {
+        batch.put_rows(split, rows);
+    }
+    let labels = label_names.unwrap_or_else(|| settings.labels.names.clone());
+    batch.put_labels(&labels, settings.labels.names.len());
+    manifest.apply(batch)?;
+    manifest.flush()?;
+    Ok(Some(found))
+}
+
+/// The committed identity columns of each split (None: no output file), from the HDF5 files
+/// when they are on, else the npy columns, with the label list of the first split found.
+/// Counts the rows into `found`. None when no output is enabled.
+#[allow(clippy::type_complexity)]
+fn read_committed(
+    settings: &Settings,
+    found: &mut Recovered,
+) -> Result<Option<(Vec<Option<Identity>>, Option<Vec<String>>)>> {
+    let out = &settings.paths.output;
     let mut splits = Vec::new();
     let mut label_names: Option<Vec<String>> = None;
     for (split, name) in SPLITS.iter().enumerate() {
@@ -101,20 +142,22 @@ pub fn from_outputs(settings: &Settings, manifest: &Manifest) -> Result<Option<R
         label_names.get_or_insert(labels);
         splits.push(Some(ids));
     }
-    if found.rows == [0; 3] {
-        return Ok(None);
-    }
+    Ok(Some((splits, label_names)))
+}
 
-    // Contents: the valid row of each hash; otherwise its last invalid row (the one a returning
-    // path revives, as the ledger would have kept it).
+/// Contents: the valid row of each hash; otherwise its last invalid row (the one a returning
+/// path revives, as the ledger would have kept it). Owners: the path of each valid row, unless
+/// another valid row named it or its content first (counted conflicting).
+fn recovered_records(
+    splits: &[Option<Identity>],
+    found: &mut Recovered,
+) -> (BTreeMap<Hash, ContentRecord>, BTreeMap<String, Hash>) {
     let mut contents: BTreeMap<Hash, ContentRecord> = BTreeMap::new();
     let mut owners: BTreeMap<String, Hash> = BTreeMap::new();
     for (split, ids) in splits.iter().enumerate() {
         let Some(ids) = ids else { continue };
         for row in 0..ids.labels.len() {
-            let hash: Hash = ids.blake3[row * 32..row * 32 + 32]
-                .try_into()
-                .expect("32-byte rows");
+            let hash = ids.hash(row);
             let at = RowRef {
                 split: split as u8,
                 row: row as u64,
@@ -159,32 +202,7 @@ pub fn from_outputs(settings: &Settings, manifest: &Manifest) -> Result<Option<R
             );
         }
     }
-
-    let mut batch = ManifestBatch::default();
-    for (hash, c) in &contents {
-        batch.put_content(hash, c);
-    }
-    for (path, hash) in &owners {
-        batch.put_file(
-            path,
-            &FileRecord {
-                hash: Some(*hash),
-                // No file has a negative size or this mtime: the reconcile reads it again.
-                size: u64::MAX,
-                mtime_ns: i64::MIN,
-                quarantine: None,
-                updated_ms: super::manifest::now_ms(),
-            },
-        );
-    }
-    for (split, &rows) in found.rows.iter().enumerate() {
-        batch.put_rows(split, rows);
-    }
-    let labels = label_names.unwrap_or_else(|| settings.labels.names.clone());
-    batch.put_labels(&labels, settings.labels.names.len());
-    manifest.apply(batch)?;
-    manifest.flush()?;
-    Ok(Some(found))
+    (contents, owners)
 }
 
 /// What [`adopt_tail`] took over, for the log line.
@@ -197,7 +215,8 @@ pub struct Adopted {
     pub superseded: u64,
 }
 
-/// A file record the reconcile reads and hashes again (no file has this size and mtime).
+/// A file record the reconcile reads and hashes again (no file has a negative size or this
+/// mtime).
 fn to_read_again(hash: Hash) -> FileRecord {
     FileRecord {
         hash: Some(hash),
@@ -229,8 +248,58 @@ fn to_read_again(hash: Hash) -> FileRecord {
 /// by side) were never there for some readers and are cut as before. Returns None when the
 /// outputs hold no rows beyond the manifest's.
 pub fn adopt_tail(settings: &Settings, manifest: &Manifest) -> Result<Option<Adopted>> {
-    let out = &settings.paths.output;
     let known = manifest.rows()?;
+    let (on_disk, label_names) = committed_on_disk(settings)?;
+    if (0..3).all(|s| on_disk[s] <= known[s]) {
+        return Ok(None);
+    }
+    let splits = tail_identities(settings, known)?;
+    let mut adoption = Adoption {
+        manifest,
+        splits: &splits,
+        contents: BTreeMap::new(),
+        files: BTreeMap::new(),
+        invalid: Vec::new(),
+        found: Adopted::default(),
+    };
+    for split in 0..SPLITS.len() {
+        for row in known[split]..on_disk[split].max(known[split]) {
+            adoption.row(split, row)?;
+        }
+    }
+
+    // The outputs first: stopped half-way, the next start adopts the same rows again.
+    let keep: [u64; 3] = std::array::from_fn(|s| on_disk[s].max(known[s]));
+    let labels = label_names.unwrap_or_else(|| settings.labels.names.clone());
+    invalidate_in_outputs(settings, &labels, keep, &adoption.invalid)?;
+
+    let mut batch = ManifestBatch::default();
+    for (hash, c) in &adoption.contents {
+        batch.put_content(hash, c);
+    }
+    for (path, f) in &adoption.files {
+        batch.put_file(path, f);
+    }
+    for (split, &rows) in keep.iter().enumerate() {
+        batch.put_rows(split, rows);
+    }
+    // Labels the lost batch appended (labels.unknown = "append") are in the outputs already.
+    let stored: Vec<String> = manifest
+        .get_meta("labels")?
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    if labels.len() > stored.len() && labels.starts_with(&stored) {
+        batch.put_labels(&labels, settings.labels.names.len());
+    }
+    manifest.apply(batch)?;
+    manifest.flush()?;
+    Ok(Some(adoption.found))
+}
+
+/// The rows each split has committed in every enabled output (the least of them), and the
+/// label list of the first output found.
+fn committed_on_disk(settings: &Settings) -> Result<([u64; 3], Option<Vec<String>>)> {
+    let out = &settings.paths.output;
     let mut on_disk = [0u64; 3];
     let mut label_names: Option<Vec<String>> = None;
     for (split, rows) in on_disk.iter_mut().enumerate() {
@@ -264,9 +333,13 @@ pub fn adopt_tail(settings: &Settings, manifest: &Manifest) -> Result<Option<Ado
             *rows = least;
         }
     }
-    if (0..3).all(|s| on_disk[s] <= known[s]) {
-        return Ok(None);
-    }
+    Ok((on_disk, label_names))
+}
+
+/// Each split's identity columns from the manifest's row count `known` on (labels and
+/// validity of every row), from the HDF5 file when it is on, else the npy columns.
+fn tail_identities(settings: &Settings, known: [u64; 3]) -> Result<Vec<Identity>> {
+    let out = &settings.paths.output;
     let mut splits = Vec::new();
     for (split, &recorded) in known.iter().enumerate() {
         let hdf5 = crate::output::hdf5_path(out, &settings.outputs.hdf5_names, split);
@@ -285,150 +358,178 @@ pub fn adopt_tail(settings: &Settings, manifest: &Manifest) -> Result<Option<Ado
         };
         splits.push(ids);
     }
+    Ok(splits)
+}
 
-    let mut found = Adopted::default();
-    // Records as adopted so far (read from the manifest on first use).
-    let mut contents: BTreeMap<Hash, ContentRecord> = BTreeMap::new();
-    let mut files: BTreeMap<String, FileRecord> = BTreeMap::new();
-    let content = |contents: &BTreeMap<Hash, ContentRecord>, h: &Hash| -> Result<_> {
-        Ok(match contents.get(h) {
-            Some(c) => Some(c.clone()),
-            None => manifest.get_content(h)?,
-        })
-    };
-    // Rows to write invalid (most already are: written again, the same value).
-    let mut invalid: Vec<RowRef> = Vec::new();
-    for (split, ids) in splits.iter().enumerate() {
-        for row in known[split]..on_disk[split].max(known[split]) {
-            let r = row as usize;
-            let t = (row - ids.from) as usize;
-            let hash: Hash = ids.blake3[t * 32..t * 32 + 32]
-                .try_into()
-                .expect("32-byte rows");
-            let at = RowRef {
-                split: split as u8,
-                row,
-            };
-            let path = ids.source_path[t].clone();
-            let label = ids.labels[r];
-            found.rows[split] += 1;
-            let cur = content(&contents, &hash)?;
-            if ids.valid[r] == 0 || path.is_empty() {
-                if ids.valid[r] != 0 {
-                    invalid.push(at);
-                }
-                if cur.is_none() {
-                    contents.insert(
-                        hash,
-                        ContentRecord {
-                            row: Some(at),
-                            label,
-                            valid: false,
-                            paths: Vec::new(),
-                        },
-                    );
-                }
-                continue;
-            }
-            if cur
-                .as_ref()
-                .and_then(|c| c.row)
-                .is_some_and(|r0| r0.split == at.split && r0 != at)
-            {
-                log::warn!(
-                    "adopting {} row {row} ({path}): its bytes have a row in that split already; turned invalid, as superseded",
-                    SPLITS[split]
-                );
-                invalid.push(at);
-                found.superseded += 1;
-                continue;
-            }
-            let mut c = cur.unwrap_or(ContentRecord {
-                row: None,
-                label,
-                valid: false,
-                paths: Vec::new(),
-            });
-            if let Some(r0) = c.row.filter(|r0| *r0 != at) {
-                invalid.push(r0);
-            }
-            let old = match files.get(&path) {
-                Some(f) => Some(f.clone()),
-                None => manifest.get_file(&path)?,
-            };
-            if let Some(h0) = old
-                .as_ref()
-                .and_then(|f| f.holds().copied())
-                .filter(|h0| *h0 != hash)
-            {
-                if let Some(mut c0) = content(&contents, &h0)? {
-                    let was_owner = c0.owner() == Some(path.as_str());
-                    c0.paths.retain(|p| *p != path);
-                    if let Some(r0) = c0.row {
-                        if c0.paths.is_empty() {
-                            if c0.valid {
-                                c0.valid = false;
-                                invalid.push(r0);
-                            }
-                        } else if was_owner {
-                            if let Some(&l) = splits[r0.split as usize].labels.get(r0.row as usize)
-                            {
-                                c0.label = l;
-                            }
-                        }
-                    }
-                    contents.insert(h0, c0);
-                }
-            }
-            c.row = Some(at);
-            c.label = label;
-            c.valid = true;
-            if let Err(i) = c.paths.binary_search(&path) {
-                c.paths.insert(i, path.clone());
-            }
-            for p in &c.paths {
-                files.insert(p.clone(), to_read_again(hash));
-            }
-            contents.insert(hash, c);
-        }
-    }
-
-    // The outputs first: stopped half-way, the next start adopts the same rows again.
-    let keep: [u64; 3] = std::array::from_fn(|s| on_disk[s].max(known[s]));
-    let labels = label_names.unwrap_or_else(|| settings.labels.names.clone());
+/// Open the outputs cut to `keep` rows per split, turn the rows `invalid`, and commit.
+fn invalidate_in_outputs(
+    settings: &Settings,
+    labels: &[String],
+    keep: [u64; 3],
+    invalid: &[RowRef],
+) -> Result<()> {
     let header = OutputHeader {
-        labels: labels.clone(),
+        labels: labels.to_vec(),
         features: settings.features.clone(),
         path_bytes: settings.outputs.path_bytes,
     };
+    let out = &settings.paths.output;
     let mut outputs = OutputSet::open_append(out, &settings.outputs, &header, false, Some(keep))?;
-    for r in &invalid {
+    for r in invalid {
         outputs.set_valid(r.split as usize, r.row, false)?;
     }
     outputs.commit()?;
-    outputs.close()?;
+    outputs.close()
+}
 
-    let mut batch = ManifestBatch::default();
-    for (hash, c) in &contents {
-        batch.put_content(hash, c);
+/// The records [`adopt_tail`] makes, row by row.
+struct Adoption<'a> {
+    manifest: &'a Manifest,
+    splits: &'a [Identity],
+    /// Records as adopted so far (read from the manifest on first use).
+    contents: BTreeMap<Hash, ContentRecord>,
+    files: BTreeMap<String, FileRecord>,
+    /// Rows to write invalid (most already are: written again, the same value).
+    invalid: Vec<RowRef>,
+    found: Adopted,
+}
+
+impl Adoption<'_> {
+    fn content(&self, h: &Hash) -> Result<Option<ContentRecord>> {
+        Ok(match self.contents.get(h) {
+            Some(c) => Some(c.clone()),
+            None => self.manifest.get_content(h)?,
+        })
     }
-    for (path, f) in &files {
-        batch.put_file(path, f);
+
+    fn file(&self, path: &str) -> Result<Option<FileRecord>> {
+        Ok(match self.files.get(path) {
+            Some(f) => Some(f.clone()),
+            None => self.manifest.get_file(path)?,
+        })
     }
-    for (split, &rows) in keep.iter().enumerate() {
-        batch.put_rows(split, rows);
+
+    /// Adopt one row beyond the manifest's count.
+    fn row(&mut self, split: usize, row: u64) -> Result<()> {
+        let ids = &self.splits[split];
+        let r = row as usize;
+        let hash = ids.hash((row - ids.from) as usize);
+        let path = ids.source_path[(row - ids.from) as usize].clone();
+        let (label, valid) = (ids.labels[r], ids.valid[r] != 0);
+        let at = RowRef {
+            split: split as u8,
+            row,
+        };
+        self.found.rows[split] += 1;
+        let cur = self.content(&hash)?;
+        if !valid || path.is_empty() {
+            self.invalid_row(at, hash, label, valid, cur);
+        } else if cur
+            .as_ref()
+            .and_then(|c| c.row)
+            .is_some_and(|r0| r0.split == at.split && r0 != at)
+        {
+            log::warn!(
+                "adopting {} row {row} ({path}): its bytes have a row in that split already; turned invalid, as superseded",
+                SPLITS[split]
+            );
+            self.invalid.push(at);
+            self.found.superseded += 1;
+        } else {
+            self.valid_row(at, hash, path, label, cur)?;
+        }
+        Ok(())
     }
-    // Labels the lost batch appended (labels.unknown = "append") are in the outputs already.
-    let stored: Vec<String> = manifest
-        .get_meta("labels")?
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or_default();
-    if labels.len() > stored.len() && labels.starts_with(&stored) {
-        batch.put_labels(&labels, settings.labels.names.len());
+
+    /// An invalid row (or one without a path, written invalid): its bytes' row only when they
+    /// have none.
+    fn invalid_row(
+        &mut self,
+        at: RowRef,
+        hash: Hash,
+        label: i16,
+        valid: bool,
+        cur: Option<ContentRecord>,
+    ) {
+        if valid {
+            self.invalid.push(at);
+        }
+        if cur.is_none() {
+            self.contents.insert(
+                hash,
+                ContentRecord {
+                    row: Some(at),
+                    label,
+                    valid: false,
+                    paths: Vec::new(),
+                },
+            );
+        }
     }
-    manifest.apply(batch)?;
-    manifest.flush()?;
-    Ok(Some(found))
+
+    /// A valid row: its bytes' row, owned by `path` (a row they had elsewhere retired), every
+    /// path of the bytes to be read again.
+    fn valid_row(
+        &mut self,
+        at: RowRef,
+        hash: Hash,
+        path: String,
+        label: i16,
+        cur: Option<ContentRecord>,
+    ) -> Result<()> {
+        let mut c = cur.unwrap_or(ContentRecord {
+            row: None,
+            label,
+            valid: false,
+            paths: Vec::new(),
+        });
+        if let Some(r0) = c.row.filter(|r0| *r0 != at) {
+            self.invalid.push(r0);
+        }
+        self.let_go(&path, hash)?;
+        c.row = Some(at);
+        c.label = label;
+        c.valid = true;
+        if let Err(i) = c.paths.binary_search(&path) {
+            c.paths.insert(i, path.clone());
+        }
+        for p in &c.paths {
+            self.files.insert(p.clone(), to_read_again(hash));
+        }
+        self.contents.insert(hash, c);
+        Ok(())
+    }
+
+    /// `path` now holds `hash`: the bytes it held before lose it; their row turns invalid (no
+    /// path left) or takes the next path's label, already in the outputs, when it was the owner.
+    fn let_go(&mut self, path: &str, hash: Hash) -> Result<()> {
+        let Some(h0) = self
+            .file(path)?
+            .and_then(|f| f.holds().copied())
+            .filter(|h0| *h0 != hash)
+        else {
+            return Ok(());
+        };
+        let Some(mut c0) = self.content(&h0)? else {
+            return Ok(());
+        };
+        let was_owner = c0.owner() == Some(path);
+        c0.paths.retain(|p| *p != path);
+        if let Some(r0) = c0.row {
+            if c0.paths.is_empty() {
+                if c0.valid {
+                    c0.valid = false;
+                    self.invalid.push(r0);
+                }
+            } else if was_owner {
+                if let Some(&l) = self.splits[r0.split as usize].labels.get(r0.row as usize) {
+                    c0.label = l;
+                }
+            }
+        }
+        self.contents.insert(h0, c0);
+        Ok(())
+    }
 }
 
 /// One split's HDF5 file, opened to read it as a recovery does: a file whose writer was killed

@@ -282,107 +282,10 @@ impl Hdf5Sink {
             bail!("{}: no such file", path.display());
         }
         super::take_stale_write_error(path);
-        let file = match open_rw(path, header, false) {
-            Ok(f) => f,
-            // HDF5's "file is already open for write (may use <h5clear file> ...)", or "file is
-            // not already open for SWMR writing" (a writer without SWMR was killed, as a
-            // recovery's plain open was): any refusal is tried once more with the flags cleared.
-            Err(first) => {
-                log::warn!(
-                    "{}: {first:#}; assuming its writer was killed and recovering it",
-                    path.display()
-                );
-                open_rw(path, header, true).with_context(|| {
-                    format!(
-                        "{}: cannot be opened for appending even with HDF5's status flags \
-                         cleared (first attempt: {first:#}); if it stays unreadable, move it away \
-                         and run `ailhd rebuild`",
-                        path.display()
-                    )
-                })?
-            }
-        };
-        let schema = file
-            .attr("schema_version")
-            .and_then(|a| a.read_scalar::<u32>())
-            .map_err(|e| incompatible(path, format_args!("no readable schema_version ({e})")))?;
-        if schema != OUTPUT_SCHEMA_VERSION {
-            return Err(incompatible(
-                path,
-                format_args!(
-                    "output layout version {schema}, this ailhd writes {OUTPUT_SCHEMA_VERSION}"
-                ),
-            ));
-        }
-        let fingerprint = read_text_attr(&file, "feature_fingerprint").map_err(|e| {
-            incompatible(path, format_args!("no readable feature_fingerprint ({e})"))
-        })?;
-        if fingerprint != header.features.fingerprint() {
-            return Err(incompatible(
-                path,
-                format_args!(
-                    "its feature settings (fingerprint {fingerprint}, config_json {}) differ from \
-                     the configured ones (fingerprint {}, {})",
-                    read_text_attr(&file, "config_json").unwrap_or_default(),
-                    header.features.fingerprint(),
-                    header.features.to_json()
-                ),
-            ));
-        }
-        let labels_text = read_text_attr(&file, "labels_json")?;
-        let labels: Vec<String> = serde_json::from_str(&labels_text)
-            .with_context(|| format!("{}: labels_json is not a JSON list", path.display()))?;
-
-        let committed_ds = file
-            .dataset("committed_rows")
-            .map_err(|e| incompatible(path, format_args!("no committed_rows dataset ({e})")))?;
-        let committed = match committed_ds.read_raw::<i64>()?.as_slice() {
-            [c] if *c >= 0 => *c as u64,
-            other => bail!(
-                "{}: committed_rows holds {other:?}, not one count; the file is damaged: move it \
-                 away and run `ailhd rebuild`",
-                path.display()
-            ),
-        };
-        let mut cols = Vec::new();
-        for spec in columns(header) {
-            let ds = file
-                .dataset(spec.name)
-                .map_err(|e| incompatible(path, format_args!("no dataset {} ({e})", spec.name)))?;
-            let mem_type = memory_type(spec.dtype)?;
-            let found = ds.dtype()?.to_descriptor()?;
-            let shape = ds.shape();
-            if found != mem_type.to_descriptor()? || shape[1..] != spec.row_dims[..] {
-                return Err(incompatible(
-                    path,
-                    format_args!(
-                        "dataset {} is {found:?} with shape {shape:?}, expected {:?} rows of {:?} \
-                         (outputs.path_bytes sets the width of source_path)",
-                        spec.name,
-                        mem_type.to_descriptor()?,
-                        spec.row_dims
-                    ),
-                ));
-            }
-            if (shape[0] as u64) < committed {
-                bail!(
-                    "{}: dataset {} has {} rows, fewer than committed_rows = {committed}; the file \
-                     is damaged: move it away and run `ailhd rebuild`",
-                    path.display(),
-                    spec.name,
-                    shape[0]
-                );
-            }
-            if shape[0] as u64 > keep.unwrap_or(committed).max(committed) {
-                log::info!(
-                    "{}: reclaiming {} uncommitted rows of {}",
-                    path.display(),
-                    shape[0] as u64 - keep.unwrap_or(committed).max(committed),
-                    spec.name
-                );
-            }
-            cols.push(Column { spec, ds, mem_type });
-        }
+        let file = open_rw_recovering(path, header)?;
+        let labels = check_layout(path, &file, header)?;
+        let (committed_ds, committed) = read_committed_rows(path, &file)?;
+        let cols = open_columns(path, &file, header, committed, keep)?;
         let mut sink = Hdf5Sink {
             cols,
             committed_ds: Some(committed_ds),
@@ -400,6 +303,21 @@ impl Hdf5Sink {
             // Until it is fully open: an error on the way only closes the file.
             broken: true,
         };
+        sink.settle_rows(keep)?;
+        sink.ensure_label_room()?;
+        sink.flush_and_sync()?;
+        if swmr {
+            sink.start_swmr()?;
+        }
+        sink.broken = false;
+        Ok(sink)
+    }
+
+    /// Bring a reopened file's rows to what the caller's records account for (`keep`), or to
+    /// `committed_rows` without records.
+    fn settle_rows(&mut self, keep: Option<u64>) -> Result<()> {
+        let committed = self.committed;
+        let path = &self.path;
         match keep {
             // The service stopped after the manifest recorded a batch and before the outputs
             // published it (SplitSink::publish): its rows were made durable first, so they are
@@ -409,7 +327,7 @@ impl Hdf5Sink {
             // into the manifest before this): they are cut.
             Some(k) if k != committed => {
                 if k > committed {
-                    if let Some(c) = sink.cols.iter().find(|c| (c.ds.shape()[0] as u64) < k) {
+                    if let Some(c) = self.cols.iter().find(|c| (c.ds.shape()[0] as u64) < k) {
                         bail!(
                             "{}: dataset {} has {} rows, fewer than the {k} the manifest records; \
                              the file is damaged: move it away and run `ailhd rebuild`",
@@ -428,21 +346,14 @@ impl Hdf5Sink {
                         path.display()
                     );
                 }
-                sink.resize_all(k)?;
-                sink.dirty = true;
-                sink.commit_now()?;
+                self.resize_all(k)?;
+                self.dirty = true;
+                self.commit_now()
             }
             // Rows past committed_rows are the partial batch of a crashed writer: drop them so
             // that every dataset again has exactly committed_rows rows.
-            _ => sink.resize_all(committed)?,
+            _ => self.resize_all(committed),
         }
-        sink.ensure_label_room()?;
-        sink.flush_and_sync()?;
-        if swmr {
-            sink.start_swmr()?;
-        }
-        sink.broken = false;
-        Ok(sink)
     }
 
     /// Run `f`, remembering a failure ([`Hdf5Sink::broken`]); refuse once broken.
@@ -478,14 +389,7 @@ impl Hdf5Sink {
     /// would change the file's structure under the readers, so it is an error that says to
     /// restart the service (which reopens the file and grows them before starting SWMR).
     pub fn set_labels(&mut self, labels: &[String]) -> Result<()> {
-        if !labels.starts_with(&self.labels) {
-            bail!(
-                "{}: new label list {labels:?} does not extend the current {:?}: label ids are \
-                 never renumbered",
-                self.path.display(),
-                self.labels
-            );
-        }
+        super::check_labels_extend(&self.path, &self.labels, labels)?;
         let values = [labels_json(labels), label2id_json(labels)];
         let file = self.file()?;
         for (name, value) in LABEL_ATTRS.iter().zip(&values) {
@@ -972,6 +876,126 @@ fn file_access(header: &OutputHeader, staged: bool) -> Result<FileAccess> {
         .chunk_cache(CHUNK_CACHE_SLOTS, CHUNK_CACHE_BYTES, 1.0)
         .alignment(threshold, alignment)
         .finish()?)
+}
+
+/// Open an existing file read-write; a file HDF5 refuses (HDF5's "file is already open for
+/// write (may use <h5clear file> ...)", or "file is not already open for SWMR writing": a writer
+/// without SWMR was killed, as a recovery's plain open was) is tried once more with the status
+/// flags cleared.
+fn open_rw_recovering(path: &Path, header: &OutputHeader) -> Result<File> {
+    match open_rw(path, header, false) {
+        Ok(f) => Ok(f),
+        Err(first) => {
+            log::warn!(
+                "{}: {first:#}; assuming its writer was killed and recovering it",
+                path.display()
+            );
+            open_rw(path, header, true).with_context(|| {
+                format!(
+                    "{}: cannot be opened for appending even with HDF5's status flags \
+                     cleared (first attempt: {first:#}); if it stays unreadable, move it away \
+                     and run `ailhd rebuild`",
+                    path.display()
+                )
+            })
+        }
+    }
+}
+
+/// Check that a reopened file has this layout version and the configured feature settings;
+/// returns its label list.
+fn check_layout(path: &Path, file: &File, header: &OutputHeader) -> Result<Vec<String>> {
+    let schema = file
+        .attr("schema_version")
+        .and_then(|a| a.read_scalar::<u32>())
+        .map(u64::from)
+        .map_err(|e| e.to_string());
+    super::check_output_version(path, schema)?;
+    let fingerprint = read_text_attr(file, "feature_fingerprint")
+        .map_err(|e| incompatible(path, format_args!("no readable feature_fingerprint ({e})")))?;
+    if fingerprint != header.features.fingerprint() {
+        return Err(incompatible(
+            path,
+            format_args!(
+                "its feature settings (fingerprint {fingerprint}, config_json {}) differ from \
+                 the configured ones (fingerprint {}, {})",
+                read_text_attr(file, "config_json").unwrap_or_default(),
+                header.features.fingerprint(),
+                header.features.to_json()
+            ),
+        ));
+    }
+    let labels_text = read_text_attr(file, "labels_json")?;
+    serde_json::from_str(&labels_text)
+        .with_context(|| format!("{}: labels_json is not a JSON list", path.display()))
+}
+
+/// The `committed_rows` dataset and the count it holds.
+fn read_committed_rows(path: &Path, file: &File) -> Result<(Dataset, u64)> {
+    let committed_ds = file
+        .dataset("committed_rows")
+        .map_err(|e| incompatible(path, format_args!("no committed_rows dataset ({e})")))?;
+    let committed = match committed_ds.read_raw::<i64>()?.as_slice() {
+        [c] if *c >= 0 => *c as u64,
+        other => bail!(
+            "{}: committed_rows holds {other:?}, not one count; the file is damaged: move it \
+             away and run `ailhd rebuild`",
+            path.display()
+        ),
+    };
+    Ok((committed_ds, committed))
+}
+
+/// The datasets of a reopened file, each checked for its type, row shape and a row count of
+/// at least `committed` (rows past `keep`, or past `committed` without it, are logged as
+/// reclaimed).
+fn open_columns(
+    path: &Path,
+    file: &File,
+    header: &OutputHeader,
+    committed: u64,
+    keep: Option<u64>,
+) -> Result<Vec<Column>> {
+    let mut cols = Vec::new();
+    for spec in columns(header) {
+        let ds = file
+            .dataset(spec.name)
+            .map_err(|e| incompatible(path, format_args!("no dataset {} ({e})", spec.name)))?;
+        let mem_type = memory_type(spec.dtype)?;
+        let found = ds.dtype()?.to_descriptor()?;
+        let shape = ds.shape();
+        if found != mem_type.to_descriptor()? || shape[1..] != spec.row_dims[..] {
+            return Err(incompatible(
+                path,
+                format_args!(
+                    "dataset {} is {found:?} with shape {shape:?}, expected {:?} rows of {:?} \
+                     (outputs.path_bytes sets the width of source_path)",
+                    spec.name,
+                    mem_type.to_descriptor()?,
+                    spec.row_dims
+                ),
+            ));
+        }
+        if (shape[0] as u64) < committed {
+            bail!(
+                "{}: dataset {} has {} rows, fewer than committed_rows = {committed}; the file \
+                 is damaged: move it away and run `ailhd rebuild`",
+                path.display(),
+                spec.name,
+                shape[0]
+            );
+        }
+        if shape[0] as u64 > keep.unwrap_or(committed).max(committed) {
+            log::info!(
+                "{}: reclaiming {} uncommitted rows of {}",
+                path.display(),
+                shape[0] as u64 - keep.unwrap_or(committed).max(committed),
+                spec.name
+            );
+        }
+        cols.push(Column { spec, ds, mem_type });
+    }
+    Ok(cols)
 }
 
 /// Open read-write; with `clear_flags`, first clear the superblock's "open for write" status

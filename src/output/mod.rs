@@ -7,6 +7,9 @@ pub mod hdf5;
 pub mod npy;
 pub mod read;
 pub mod set;
+mod version;
+
+pub use version::check_output_version;
 
 use crate::config::{FeatureSettings, FeatureShape};
 use half::f16;
@@ -390,6 +393,19 @@ pub fn header_attributes(header: &OutputHeader) -> Vec<(&'static str, String)> {
 }
 
 /// The message of every "this output cannot be appended to" error: what differs, and what to do.
+/// A sink's label list only grows (labels appended under `labels.unknown = "append"`): `new`
+/// must extend `current`, since label ids are never renumbered.
+pub fn check_labels_extend(path: &Path, current: &[String], new: &[String]) -> anyhow::Result<()> {
+    if !new.starts_with(current) {
+        anyhow::bail!(
+            "{}: new label list {new:?} does not extend the current {current:?}: label ids are \
+             never renumbered",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
 pub fn incompatible(path: &Path, what: impl std::fmt::Display) -> anyhow::Error {
     anyhow::anyhow!(
         "{}: {what}; this output was made with other settings or another ailhd layout and cannot \
@@ -401,6 +417,22 @@ pub fn incompatible(path: &Path, what: impl std::fmt::Display) -> anyhow::Error 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_label_list_may_only_grow_at_its_end() {
+        let l = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let p = Path::new("/out/npy/training");
+        assert!(check_labels_extend(p, &l(&["A", "B"]), &l(&["A", "B"])).is_ok());
+        assert!(check_labels_extend(p, &l(&["A", "B"]), &l(&["A", "B", "C"])).is_ok());
+        let e = check_labels_extend(p, &l(&["A", "B"]), &l(&["B", "A", "C"]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("/out/npy/training") && e.contains("does not extend"),
+            "{e}"
+        );
+        assert!(check_labels_extend(p, &l(&["A", "B"]), &l(&["A"])).is_err());
+    }
 
     fn header(store_waveform: bool) -> OutputHeader {
         OutputHeader {

@@ -169,72 +169,8 @@ impl NpySink {
 
     /// `cut`: cut every column back to its committed rows, durably (see [`NpySink::open_append`]).
     fn open(dir: &Path, header: &OutputHeader, keep: Option<u64>, cut: bool) -> Result<Self> {
-        let attrs_path = dir.join(ATTRIBUTES);
-        let text = std::fs::read_to_string(&attrs_path)
-            .with_context(|| format!("reading {}", attrs_path.display()))?;
-        let mut attrs: Map<String, Value> = serde_json::from_str(&text)
-            .map_err(|e| incompatible(&attrs_path, format_args!("not a JSON object ({e})")))?;
-        let schema = attrs.get("schema_version").and_then(Value::as_u64);
-        if schema != Some(OUTPUT_SCHEMA_VERSION as u64) {
-            return Err(incompatible(
-                &attrs_path,
-                format_args!(
-                    "output layout version {schema:?}, this ailhd writes {OUTPUT_SCHEMA_VERSION}"
-                ),
-            ));
-        }
-        let fingerprint = attrs.get("feature_fingerprint").and_then(Value::as_str);
-        if fingerprint != Some(header.features.fingerprint().as_str()) {
-            return Err(incompatible(
-                &attrs_path,
-                format_args!(
-                    "its feature settings (fingerprint {}) differ from the configured ones \
-                     (fingerprint {}, {})",
-                    fingerprint.unwrap_or("missing"),
-                    header.features.fingerprint(),
-                    header.features.to_json()
-                ),
-            ));
-        }
-        let labels: Vec<String> = attrs
-            .get("labels_json")
-            .and_then(Value::as_str)
-            .and_then(|s| serde_json::from_str(s).ok())
-            .with_context(|| {
-                format!(
-                    "{}: labels_json is missing or not a JSON list",
-                    attrs_path.display()
-                )
-            })?;
-        attrs.remove("committed_rows");
-
-        let mut cols = Vec::new();
-        let mut shapes = Vec::new();
-        for spec in columns(header) {
-            let path = dir.join(format!("{}.npy", spec.name));
-            if cut {
-                super::take_stale_write_error(&path);
-            }
-            let mut file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-                .with_context(|| format!("opening {}", path.display()))?;
-            let (header_len, rows) = read_npy_header(&mut file, &spec, &path)?;
-            let header_map = unsafe { MmapOptions::new().len(header_len).map_mut(&file) }
-                .with_context(|| format!("mapping the header of {}", path.display()))?;
-            shapes.push(rows);
-            cols.push(NpyColumn {
-                spec,
-                path,
-                file,
-                header_len,
-                header_map,
-                edit_map: None,
-                direct: None,
-            });
-        }
-        let on_disk = shapes.iter().copied().min().unwrap_or(0);
+        let (attrs, labels) = read_attributes(dir, header)?;
+        let (cols, on_disk) = open_columns(dir, header, cut)?;
         // Rows past the headers that the manifest records (`keep`) were made durable before the
         // manifest recorded them (SplitSink::prepare), and the service stopped before it
         // published them: they are kept (the size check below finds them, or a damaged file).
@@ -265,22 +201,7 @@ impl NpySink {
             direct_bytes: 0,
         };
         for c in &mut sink.cols {
-            let size = c.file.metadata()?.len();
-            let want = c.data_offset(committed);
-            if size < want {
-                bail!(
-                    "{}: {size} bytes, too short for its {committed} committed rows; the output \
-                     is damaged: move it away and run `ailhd rebuild`",
-                    c.path.display()
-                );
-            }
-            if size > want {
-                log::info!(
-                    "{}: reclaiming {} bytes of uncommitted rows",
-                    c.path.display(),
-                    size - want
-                );
-            }
+            c.check_size(committed)?;
         }
         if cut {
             sink.cut_to(committed, committed)?;
@@ -291,14 +212,7 @@ impl NpySink {
     /// Replace `labels_json` / `label2id_json` in `attributes.json` (labels appended under
     /// `labels.unknown = "append"`); `labels` must extend the current list.
     pub fn set_labels(&mut self, labels: &[String]) -> Result<()> {
-        if !labels.starts_with(&self.labels) {
-            bail!(
-                "{}: new label list {labels:?} does not extend the current {:?}: label ids are \
-                 never renumbered",
-                self.dir.display(),
-                self.labels
-            );
-        }
+        super::check_labels_extend(&self.dir, &self.labels, labels)?;
         self.attrs
             .insert("labels_json".into(), Value::from(labels_json(labels)));
         self.attrs
@@ -441,6 +355,27 @@ impl NpySink {
 }
 
 impl NpyColumn {
+    /// The file holds at least `committed` rows (bytes past them are logged as reclaimed).
+    fn check_size(&self, committed: u64) -> Result<()> {
+        let size = self.file.metadata()?.len();
+        let want = self.data_offset(committed);
+        if size < want {
+            bail!(
+                "{}: {size} bytes, too short for its {committed} committed rows; the output \
+                 is damaged: move it away and run `ailhd rebuild`",
+                self.path.display()
+            );
+        }
+        if size > want {
+            log::info!(
+                "{}: reclaiming {} bytes of uncommitted rows",
+                self.path.display(),
+                size - want
+            );
+        }
+        Ok(())
+    }
+
     fn data_offset(&self, row: u64) -> u64 {
         self.header_len as u64 + row * self.spec.row_bytes() as u64
     }
@@ -656,6 +591,80 @@ fn npy_header(spec: &ColumnSpec, rows: u64, header_len: usize) -> Vec<u8> {
     out
 }
 
+/// A reopened split's `attributes.json`, checked for this layout version and the configured
+/// feature settings, less its `committed_rows` (the column headers hold them); and its labels.
+fn read_attributes(dir: &Path, header: &OutputHeader) -> Result<(Map<String, Value>, Vec<String>)> {
+    let attrs_path = dir.join(ATTRIBUTES);
+    let text = std::fs::read_to_string(&attrs_path)
+        .with_context(|| format!("reading {}", attrs_path.display()))?;
+    let mut attrs: Map<String, Value> = serde_json::from_str(&text)
+        .map_err(|e| incompatible(&attrs_path, format_args!("not a JSON object ({e})")))?;
+    let schema = attrs
+        .get("schema_version")
+        .map(|v| v.as_u64().ok_or(format!("{v} is not a version number")))
+        .unwrap_or(Err("missing".into()));
+    super::check_output_version(&attrs_path, schema)?;
+    let fingerprint = attrs.get("feature_fingerprint").and_then(Value::as_str);
+    if fingerprint != Some(header.features.fingerprint().as_str()) {
+        return Err(incompatible(
+            &attrs_path,
+            format_args!(
+                "its feature settings (fingerprint {}) differ from the configured ones \
+                 (fingerprint {}, {})",
+                fingerprint.unwrap_or("missing"),
+                header.features.fingerprint(),
+                header.features.to_json()
+            ),
+        ));
+    }
+    let labels: Vec<String> = attrs
+        .get("labels_json")
+        .and_then(Value::as_str)
+        .and_then(|s| serde_json::from_str(s).ok())
+        .with_context(|| {
+            format!(
+                "{}: labels_json is missing or not a JSON list",
+                attrs_path.display()
+            )
+        })?;
+    attrs.remove("committed_rows");
+    Ok((attrs, labels))
+}
+
+/// Open every column of a reopened split, its header checked and mapped; returns them and the
+/// rows their headers agree on (the smallest shape). `cut`: a stale write error of an earlier
+/// life is dropped (the columns are cut back).
+fn open_columns(dir: &Path, header: &OutputHeader, cut: bool) -> Result<(Vec<NpyColumn>, u64)> {
+    let mut cols = Vec::new();
+    let mut shapes = Vec::new();
+    for spec in columns(header) {
+        let path = dir.join(format!("{}.npy", spec.name));
+        if cut {
+            super::take_stale_write_error(&path);
+        }
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        let (header_len, rows) = read_npy_header(&mut file, &spec, &path)?;
+        let header_map = unsafe { MmapOptions::new().len(header_len).map_mut(&file) }
+            .with_context(|| format!("mapping the header of {}", path.display()))?;
+        shapes.push(rows);
+        cols.push(NpyColumn {
+            spec,
+            path,
+            file,
+            header_len,
+            header_map,
+            edit_map: None,
+            direct: None,
+        });
+    }
+    let on_disk = shapes.iter().copied().min().unwrap_or(0);
+    Ok((cols, on_disk))
+}
+
 /// Read and check a column's npy header: returns (header length, row count).
 fn read_npy_header(file: &mut File, spec: &ColumnSpec, path: &Path) -> Result<(usize, u64)> {
     let mut pre = [0u8; 10];
@@ -689,8 +698,9 @@ fn read_npy_header(file: &mut File, spec: &ColumnSpec, path: &Path) -> Result<(u
     }
 }
 
-/// Write `attributes.json` (with `committed_rows`) atomically: temp file, fsync, rename, and the
-/// folder synced; `sync` false (a staging output, synced by its close): without syncs.
+/// Write `attributes.json` (with `committed_rows`) atomically ([`crate::durable::replace`]):
+/// [`Sync::Full`](crate::durable::Sync::Full), its bytes and the folder synced; `sync` false (a
+/// staging output, synced by its close): without syncs.
 fn write_attributes(
     dir: &Path,
     attrs: &Map<String, Value>,
@@ -700,22 +710,14 @@ fn write_attributes(
     let mut all = attrs.clone();
     all.insert("committed_rows".into(), Value::from(committed));
     let text = serde_json::to_string_pretty(&Value::Object(all)).expect("JSON serialises");
-    let tmp = dir.join(format!("{ATTRIBUTES}.tmp"));
     let path = dir.join(ATTRIBUTES);
-    std::fs::write(&tmp, text.as_bytes())
-        .and_then(|()| {
-            if sync {
-                File::open(&tmp)?.sync_all()
-            } else {
-                Ok(())
-            }
-        })
-        .and_then(|()| std::fs::rename(&tmp, &path))
-        .with_context(|| format!("writing {}", path.display()))?;
-    if sync {
-        sync_dir(dir)?;
-    }
-    Ok(())
+    let durability = if sync {
+        crate::durable::Sync::Full
+    } else {
+        crate::durable::Sync::None
+    };
+    crate::durable::replace(&path, text.as_bytes(), durability)
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {

@@ -8,12 +8,12 @@
 //!   file name (the outputs keep no commit time; rows without a time are counted in the caption).
 //!
 //! Everything but the title comes from the outputs' own columns, read as a trainer reads them
-//! (see [`super::columns`]); the title's file counts come from the status report.
+//! (see [`super::columns`]); the title's file counts and writer come from the status report ([`Title`]).
 
 use super::{draw_lines, err, palette, Area, FONT, OUT_OF_WATER};
 use crate::output::read::Columns;
-use crate::status::StatusReport;
 use anyhow::{Context, Result};
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::collections::BTreeMap;
@@ -23,7 +23,14 @@ pub const WIDTH: u32 = 1400;
 pub const HEIGHT: u32 = 950;
 const HEADER: u32 = 100;
 
-pub fn write(out: &Path, output_dir: &Path, report: &StatusReport, cols: &Columns) -> Result<()> {
+/// What the title says besides the columns: the files per state and the writer, as the
+/// status report has them.
+pub struct Title<'a> {
+    pub files: &'a BTreeMap<String, u64>,
+    pub writer: Option<&'a str>,
+}
+
+pub fn write(out: &Path, output_dir: &Path, title: &Title, cols: &Columns) -> Result<()> {
     super::init_font()?;
     {
         let root = BitMapBackend::new(out, (WIDTH, HEIGHT)).into_drawing_area();
@@ -31,7 +38,7 @@ pub fn write(out: &Path, output_dir: &Path, report: &StatusReport, cols: &Column
         let (header, rest) = root.split_vertically(HEADER);
         let (top, bottom) = rest.split_vertically(430);
         let (left, right) = top.split_horizontally(WIDTH * 11 / 20);
-        draw_header(&header, output_dir, report, cols)?;
+        draw_header(&header, output_dir, title, cols)?;
         draw_rows_per_label(&left, cols)?;
         draw_gain(&right, cols)?;
         draw_arrivals(&bottom, cols)?;
@@ -41,7 +48,7 @@ pub fn write(out: &Path, output_dir: &Path, report: &StatusReport, cols: &Column
     Ok(())
 }
 
-fn draw_header(area: &Area, output_dir: &Path, r: &StatusReport, cols: &Columns) -> Result<()> {
+fn draw_header(area: &Area, output_dir: &Path, r: &Title, cols: &Columns) -> Result<()> {
     let rows: usize = cols.splits.iter().map(|s| s.rows()).sum();
     let valid: usize = cols
         .splits
@@ -77,7 +84,7 @@ fn draw_header(area: &Area, output_dir: &Path, r: &StatusReport, cols: &Columns)
             (
                 format!(
                     "writer: {}   ·   columns read from {}   ·   drawn {}",
-                    r.writer.as_deref().unwrap_or("none (service not running)"),
+                    r.writer.unwrap_or("none (service not running)"),
                     cols.source,
                     super::utc(now)
                 ),
@@ -291,9 +298,9 @@ fn draw_gain(area: &Area, cols: &Columns) -> Result<()> {
     Ok(())
 }
 
-fn draw_arrivals(area: &Area, cols: &Columns) -> Result<()> {
-    let names = &cols.label_names;
-    // (recorded_at, label) of every committed row that has a time.
+/// (recorded_at, label) of every committed row that has a time, in time order, and the
+/// number of rows without one.
+fn arrival_events(cols: &Columns) -> (Vec<(i64, usize)>, usize) {
     let mut events: Vec<(i64, usize)> = Vec::new();
     let mut untimed = 0usize;
     for s in &cols.splits {
@@ -306,40 +313,95 @@ fn draw_arrivals(area: &Area, cols: &Columns) -> Result<()> {
         }
     }
     events.sort_unstable();
-    let (t0, t1) = match (events.first(), events.last()) {
-        (Some(a), Some(b)) if b.0 > a.0 => (a.0 as f64, b.0 as f64),
-        (Some(a), _) => (a.0 as f64 - 3600.0, a.0 as f64 + 3600.0),
-        _ => (0.0, 1.0),
-    };
-    let total = events.len();
-    let span = t1 - t0;
-    // Plot in days, hours or minutes since midnight UTC of the first day, so that the ticks
-    // fall on round times; the labels turn them back into dates and times.
-    let unit = if span > 5.0 * 86400.0 {
-        86400.0
-    } else if span > 3.0 * 3600.0 {
-        3600.0
-    } else {
-        60.0
-    };
-    let origin = (t0 / 86400.0).floor() * 86400.0;
-    let x = move |t: f64| (t - origin) / unit;
-    let (x0, x1) = (x(t0), x(t1));
-    let pad = (x1 - x0) * 0.02;
-    let fmt_time = move |v: &f64| -> String {
-        let Ok(t) = time::OffsetDateTime::from_unix_timestamp((origin + v * unit).round() as i64)
+    (events, untimed)
+}
+
+/// The time axis of the arrivals: in days, hours or minutes since midnight UTC of the first
+/// day, so that the ticks fall on round times; the labels turn them back into dates and times.
+#[derive(Clone, Copy)]
+struct TimeAxis {
+    origin: f64,
+    unit: f64,
+    span: f64,
+    /// The first and last event on the axis, and the margin beyond them.
+    x0: f64,
+    x1: f64,
+    pad: f64,
+}
+
+impl TimeAxis {
+    fn new(events: &[(i64, usize)]) -> TimeAxis {
+        let (t0, t1) = match (events.first(), events.last()) {
+            (Some(a), Some(b)) if b.0 > a.0 => (a.0 as f64, b.0 as f64),
+            (Some(a), _) => (a.0 as f64 - 3600.0, a.0 as f64 + 3600.0),
+            _ => (0.0, 1.0),
+        };
+        let span = t1 - t0;
+        let unit = if span > 5.0 * 86400.0 {
+            86400.0
+        } else if span > 3.0 * 3600.0 {
+            3600.0
+        } else {
+            60.0
+        };
+        let origin = (t0 / 86400.0).floor() * 86400.0;
+        let mut axis = TimeAxis {
+            origin,
+            unit,
+            span,
+            x0: 0.0,
+            x1: 0.0,
+            pad: 0.0,
+        };
+        (axis.x0, axis.x1) = (axis.x(t0), axis.x(t1));
+        axis.pad = (axis.x1 - axis.x0) * 0.02;
+        axis
+    }
+
+    fn x(&self, t: f64) -> f64 {
+        (t - self.origin) / self.unit
+    }
+
+    fn label(&self, v: &f64) -> String {
+        let Ok(t) =
+            time::OffsetDateTime::from_unix_timestamp((self.origin + v * self.unit).round() as i64)
         else {
             return String::new();
         };
-        let f = if unit >= 86400.0 {
+        let f = if self.unit >= 86400.0 {
             time::macros::format_description!("[year]-[month]-[day]")
-        } else if span > 86400.0 {
+        } else if self.span > 86400.0 {
             time::macros::format_description!("[month]-[day] [hour]:[minute]")
         } else {
             time::macros::format_description!("[hour]:[minute]")
         };
         t.format(f).unwrap_or_default()
-    };
+    }
+
+    /// The cumulative count of the events `pick` takes, as a step line across the axis.
+    fn steps(&self, events: &[(i64, usize)], pick: &dyn Fn(usize) -> bool) -> Vec<(f64, f64)> {
+        let mut pts = vec![(self.x0 - self.pad, 0.0)];
+        let mut n = 0f64;
+        for (t, l) in events {
+            if pick(*l) {
+                pts.push((self.x(*t as f64), n));
+                n += 1.0;
+                pts.push((self.x(*t as f64), n));
+            }
+        }
+        pts.push((self.x1 + self.pad, n));
+        pts
+    }
+}
+
+type Chart<'a, 'b> =
+    ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+fn draw_arrivals(area: &Area, cols: &Columns) -> Result<()> {
+    let (events, untimed) = arrival_events(cols);
+    let total = events.len();
+    let axis = TimeAxis::new(&events);
+    let TimeAxis { x0, x1, pad, .. } = axis;
     let caption = format!(
         "arrivals: cumulative rows by recording time (recorded_at from the file name, UTC){}",
         if untimed > 0 {
@@ -359,8 +421,8 @@ fn draw_arrivals(area: &Area, cols: &Columns) -> Result<()> {
     chart
         .configure_mesh()
         .x_labels(8)
-        .x_label_formatter(&fmt_time)
-        .x_desc(if unit >= 86400.0 {
+        .x_label_formatter(&|v| axis.label(v))
+        .x_desc(if axis.unit >= 86400.0 {
             "recorded_at (date, UTC)"
         } else {
             "recorded_at (UTC)"
@@ -384,22 +446,22 @@ fn draw_arrivals(area: &Area, cols: &Columns) -> Result<()> {
             .map_err(err("arrivals"))?;
         return Ok(());
     }
-    // A step line per label and one for all rows.
-    let steps = |pick: &dyn Fn(usize) -> bool| -> Vec<(f64, f64)> {
-        let mut pts = vec![(x0 - pad, 0.0)];
-        let mut n = 0f64;
-        for (t, l) in &events {
-            if pick(*l) {
-                pts.push((x(*t as f64), n));
-                n += 1.0;
-                pts.push((x(*t as f64), n));
-            }
-        }
-        pts.push((x1 + pad, n));
-        pts
-    };
+    draw_arrival_steps(&mut chart, &axis, &events, &cols.label_names)
+}
+
+/// A step line per label and one for all rows, with their legend.
+fn draw_arrival_steps<'a, 'b: 'a>(
+    chart: &mut Chart<'a, 'b>,
+    axis: &TimeAxis,
+    events: &[(i64, usize)],
+    names: &[String],
+) -> Result<()> {
+    let total = events.len();
     chart
-        .draw_series(LineSeries::new(steps(&|_| true), BLACK.stroke_width(2)))
+        .draw_series(LineSeries::new(
+            axis.steps(events, &|_| true),
+            BLACK.stroke_width(2),
+        ))
         .map_err(err("arrivals"))?
         .label(format!("all ({total})"))
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], BLACK.stroke_width(2)));
@@ -414,7 +476,10 @@ fn draw_arrivals(area: &Area, cols: &Columns) -> Result<()> {
         let colour = palette(li + 3);
         let name = names.get(li).cloned().unwrap_or_else(|| format!("#{li}"));
         chart
-            .draw_series(LineSeries::new(steps(&|l| l == li), colour.stroke_width(2)))
+            .draw_series(LineSeries::new(
+                axis.steps(events, &|l| l == li),
+                colour.stroke_width(2),
+            ))
             .map_err(err("arrivals"))?
             .label(format!("{name} ({count})"))
             .legend(move |(x, y)| {

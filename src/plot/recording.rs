@@ -11,7 +11,7 @@
 
 use super::{draw_heatmap, draw_lines, err, Area, Heatmap, FONT, OUT_OF_WATER};
 use crate::config::FeatureSettings;
-use crate::inspect::Inspection;
+use crate::inspection::Inspection;
 use anyhow::{Context, Result};
 use half::f16;
 use plotters::prelude::*;

@@ -2,10 +2,10 @@
 //! float64 reference before anyone relies on it, then kept warm; `featurise` hands batches to
 //! the chunk pipeline (`pipeline.rs`).
 
+use super::buffers::{FftBuffers, InputPath, Kernels, Ring, Slot};
 use super::compile::{load_kernels, nvrtc_compile, targets_for};
 use super::libraries::{guarded, panic_message, probe_libraries_with, LibrarySearch};
 use super::parity;
-use super::pipeline::{FftBuffers, InputPath, Kernels, Ring, Slot};
 use super::tables::{chunk_files_for, device_bytes, Geometry, KernelTables};
 use super::Unavailable;
 use super::{BLOCK_THREADS, PLAN_FILES, SLOTS};

@@ -20,6 +20,7 @@
 //! building the featuriser and its start-up self-check; `pipeline.rs`, staging, streams and the
 //! per-chunk work; `parity.rs`, checking rows against the float64 reference.
 
+mod buffers;
 mod compile;
 mod featuriser;
 mod libraries;

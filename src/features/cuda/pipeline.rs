@@ -1,77 +1,16 @@
-//! The per-chunk work on the device: staging buffers and streams ([`Slot`]), the host copy into
-//! pinned memory, the asynchronous upload, the kernels and FFT, the download, and collecting the
-//! rows; a batch larger than one chunk is pipelined over the slots.
+//! The per-chunk work on the device: staging buffers and streams
+//! ([`Slot`](super::buffers::Slot)), the host copy into pinned memory, the asynchronous upload,
+//! the kernels and FFT, the download, and collecting the rows; a batch larger than one chunk is
+//! pipelined over the slots.
 
+use super::buffers::{FftBuffers, InFlight, InputPath, Pending};
 use super::featuriser::CudaFeaturiser;
 use super::FINALIZE_THREADS;
 use crate::decode::Waveform;
 use anyhow::{anyhow, Context};
-use cudarc::cufft;
-use cudarc::driver::{
-    CudaEvent, CudaFunction, CudaSlice, LaunchConfig, PinnedHostSlice, PushKernelArg,
-};
+use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg};
 use half::f16;
 use rayon::prelude::*;
-use std::collections::VecDeque;
-
-/// Which kernel 1 a staged chunk needs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum InputPath {
-    /// Every recording in the chunk is int16: upload int16 (half the bytes of float).
-    Pcm16,
-    /// At least one float recording: upload the whole chunk as float (int16 converts exactly).
-    Float,
-}
-
-/// Staging for one in-flight chunk. There are [`SLOTS`](super::SLOTS), so chunk k+1 is staged and uploaded while
-/// chunk k computes.
-pub(super) struct Slot {
-    pub(super) pcm_host: PinnedHostSlice<i16>,
-    pub(super) pcm_dev: CudaSlice<i16>,
-    /// Float path buffers, made the first time this slot stages a float recording (for one
-    /// slot, that is the start-up self-check): these are twice the size of the int16 ones, and
-    /// the other slots' are only needed by hosts that see float recordings.
-    pub(super) float_host: Option<PinnedHostSlice<f32>>,
-    pub(super) float_dev: Option<CudaSlice<f32>>,
-    pub(super) rows_dev: CudaSlice<u16>,
-    pub(super) rows_host: PinnedHostSlice<u16>,
-    /// Recorded after the upload from `*_host`: the host waits on it before restaging. (cudarc
-    /// tracks device buffers itself, but not plain slices of pinned memory, which is what we copy
-    /// so that a partial chunk transfers only its own bytes.)
-    pub(super) uploaded: CudaEvent,
-    /// Timing marks (see [`DeviceTimes`]): before the upload, when the kernels may start (the
-    /// upload is done), after the last kernel.
-    pub(super) upload_start: CudaEvent,
-    pub(super) compute_start: CudaEvent,
-    pub(super) compute_end: CudaEvent,
-    /// Recorded after the download into `rows_host`: the host waits on it before reading.
-    pub(super) downloaded: CudaEvent,
-    pub(super) files: usize,
-    pub(super) path: InputPath,
-}
-
-/// The kernels of one precision (`frame_pcm16_f64` etc. for [`Precision::F64`]).
-pub(super) struct Kernels {
-    pub(super) frame_pcm16: CudaFunction,
-    pub(super) frame_f32: CudaFunction,
-    pub(super) power_mel_db: CudaFunction,
-    pub(super) finalize_rows: CudaFunction,
-}
-
-/// The FFT stage's buffers in the precision the accuracy rule needs: the window, one chunk's
-/// frames and their spectra (scratch of the compute stream, shared by the slots).
-pub(super) enum FftBuffers {
-    F32 {
-        window: CudaSlice<f32>,
-        frames: CudaSlice<f32>,
-        spectrum: CudaSlice<cufft::sys::float2>,
-    },
-    F64 {
-        window: CudaSlice<f64>,
-        frames: CudaSlice<f64>,
-        spectrum: CudaSlice<cufft::sys::double2>,
-    },
-}
 
 impl CudaFeaturiser {
     /// Host: copy `files` into slot `s`'s pinned staging (in parallel: at 80 KB a recording this
@@ -134,16 +73,25 @@ impl CudaFeaturiser {
 
     /// Device: kernels and FFT for the chunk staged in slot `s`, then queue the download.
     pub(super) fn compute_and_download(&mut self, s: usize) -> anyhow::Result<()> {
-        let g = self.geometry;
         let files = self.slots[s].files;
-        let n = files as i32;
-        let frames = files * g.frames_per_file as usize;
-
         let slot = &self.slots[s];
         // Explicitly after the upload (cudarc would also order the kernels after it), so that
         // compute_start marks when the kernels can run.
         self.compute.wait(&slot.uploaded)?;
         slot.compute_start.record(&self.compute)?;
+        self.launch_framing(s)?;
+        self.run_fft(files)?;
+        self.launch_power_mel_db(files)?;
+        self.launch_finalize_rows(s)?;
+        self.queue_download(s)
+    }
+
+    /// `frame_<input>_<precision>`: slot `s`'s recordings into windowed FFT frames.
+    fn launch_framing(&mut self, s: usize) -> anyhow::Result<()> {
+        let g = self.geometry;
+        let slot = &self.slots[s];
+        let n = slot.files as i32;
+        let frames = slot.files * g.frames_per_file as usize;
         let cfg = self.grid(frames * g.n_fft as usize);
         let (function, what) = match slot.path {
             InputPath::Pcm16 => (&self.kernels.frame_pcm16, "frame_pcm16"),
@@ -163,9 +111,14 @@ impl CudaFeaturiser {
         // SAFETY: arguments match `frame_<input>_<precision>(Geometry, const <input>*, const
         // <real>*, <real>*, int)`; the buffers hold chunk_files recordings >= n.
         unsafe { launch.launch(cfg) }.with_context(|| format!("launching {what}"))?;
+        Ok(())
+    }
 
-        // One plan, group by group (see PLAN_FILES). The last group's frames beyond `frames` are
-        // stale; their spectra are never read.
+    /// The frames of `files` recordings into spectra: one plan, group by group (see
+    /// PLAN_FILES). The last group's frames beyond the chunk's are stale; their spectra are
+    /// never read.
+    fn run_fft(&mut self, files: usize) -> anyhow::Result<()> {
+        let g = self.geometry;
         let plan = self.plan.as_ref().expect("plan lives until drop");
         let group_frames = self.plan_files * g.frames_per_file as usize;
         let (real_len, bins_len) = (
@@ -193,7 +146,14 @@ impl CudaFeaturiser {
                     .map_err(|e| anyhow!("cuFFT D2Z failed: {e}"))?,
             }
         }
+        Ok(())
+    }
 
+    /// `power_mel_db_<precision>`: the spectra of `files` recordings into mel dB.
+    fn launch_power_mel_db(&mut self, files: usize) -> anyhow::Result<()> {
+        let g = self.geometry;
+        let n = files as i32;
+        let frames = files * g.frames_per_file as usize;
         let cfg = self.grid(frames * g.n_mels as usize);
         let mut launch = self.compute.launch_builder(&self.kernels.power_mel_db);
         launch.arg(&g);
@@ -210,7 +170,14 @@ impl CudaFeaturiser {
         // SAFETY: `power_mel_db_<precision>(Geometry, const <real>* (interleaved complex), const
         // int*, const int*, const float*, float*, int)`.
         unsafe { launch.launch(cfg) }.context("launching power_mel_db")?;
+        Ok(())
+    }
 
+    /// `finalize_rows`: mel dB into slot `s`'s f16 rows; marks the end of the computing.
+    fn launch_finalize_rows(&mut self, s: usize) -> anyhow::Result<()> {
+        let g = self.geometry;
+        let files = self.slots[s].files;
+        let n = files as i32;
         let cfg = LaunchConfig {
             grid_dim: (files.min(self.sm_count as usize * 8).max(1) as u32, 1, 1),
             block_dim: (FINALIZE_THREADS, 1, 1),
@@ -226,9 +193,14 @@ impl CudaFeaturiser {
         // SAFETY: `finalize_rows(Geometry, const float*, unsigned short*, int)` with exactly
         // FINALIZE_THREADS threads per block.
         unsafe { launch.launch(cfg) }.context("launching finalize_rows")?;
-
         slot.compute_end.record(&self.compute)?;
-        let len = files * g.row_len as usize;
+        Ok(())
+    }
+
+    /// Queue the copy of slot `s`'s rows to the host.
+    fn queue_download(&mut self, s: usize) -> anyhow::Result<()> {
+        let slot = &mut self.slots[s];
+        let len = slot.files * self.geometry.row_len as usize;
         let host = slot.rows_host.as_mut_slice()?;
         let rows = slot.rows_dev.slice(0..len);
         self.download.memcpy_dtoh(&rows, &mut host[..len])?;
@@ -354,32 +326,4 @@ impl CudaFeaturiser {
         self.ctx.check_err()?;
         Ok(self.ring.pending.pop_front().map(|p| p.rows))
     }
-}
-
-/// What is on the device, oldest first, and the submitted batches waiting for their rows.
-#[derive(Default)]
-pub(super) struct Ring {
-    pub(super) in_flight: VecDeque<InFlight>,
-    pub(super) pending: VecDeque<Pending>,
-    /// The slot the next chunk goes through (round robin: the oldest chunk in flight holds it
-    /// when all slots are busy).
-    pub(super) next_slot: usize,
-    pub(super) next_batch: u64,
-}
-
-/// One chunk on the device.
-pub(super) struct InFlight {
-    slot: usize,
-    /// The submitted batch it belongs to; None for the running `featurise` call.
-    batch: Option<u64>,
-    /// Where its rows go in that batch's rows (values).
-    offset: usize,
-    len: usize,
-}
-
-/// A submitted batch: its rows, filled as its chunks are collected.
-pub(super) struct Pending {
-    seq: u64,
-    rows: Vec<f16>,
-    chunks_left: usize,
 }
