@@ -1,8 +1,7 @@
 //! The command line as an operator meets it: configuration sources and overrides, exit codes,
 //! `demo`, `inspect`, the writer lock, and a rebuild interrupted by SIGKILL.
 
-mod common;
-use common::*;
+use crate::common::*;
 use std::time::Duration;
 
 #[test]
@@ -315,7 +314,7 @@ fn json_output_is_documented_and_in_plain_units() {
     documented("inspect", &inspect);
 
     // A running service: its figures, and how old they are.
-    let svc = common::service::Service::start(&world);
+    let svc = crate::common::service::Service::start(&world);
     let status = json(&["status", "--json"]);
     documented("status", &status);
     let service = &status["service"];

@@ -2,9 +2,9 @@
 //! an operator delivers them, while an h5py SWMR reader follows the outputs; then stop, change
 //! the tree while stopped, restart; and SIGKILL at random instants during a stream.
 
-mod common;
-use common::service::*;
-use common::*;
+use crate::common::service::*;
+use crate::common::*;
+use serial_test::serial;
 use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 const FAST: &str = "[ingest]\nsettle_ms = 100\nquarantine_after_s = 2\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n";
 
 #[test]
+#[serial]
 fn ingests_every_kind_of_arrival_and_survives_a_restart() {
     let world = World::new(FAST);
     let rec = world.rec();
@@ -145,6 +146,7 @@ fn ingests_every_kind_of_arrival_and_survives_a_restart() {
 }
 
 #[test]
+#[serial]
 fn second_writer_and_changed_settings_are_refused() {
     let world = World::new(FAST);
     let svc = Service::start(&world);
@@ -170,6 +172,7 @@ fn second_writer_and_changed_settings_are_refused() {
 }
 
 #[test]
+#[serial]
 fn sigkill_at_random_instants_loses_and_duplicates_nothing() {
     let world = World::new(FAST);
     let rec = world.rec();
@@ -208,6 +211,7 @@ fn sigkill_at_random_instants_loses_and_duplicates_nothing() {
 /// paths and labels; symbolic links are not followed; a non-UTF-8 name and complete but
 /// unusable files are quarantined at once (here `quarantine_after_s` is 300 s), with the reason.
 #[test]
+#[serial]
 fn shared_bytes_moves_links_and_unusable_files_follow_one_set_of_rules() {
     let world = World::new(
         "[ingest]\nsettle_ms = 100\nquarantine_after_s = 300\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n",
@@ -305,6 +309,7 @@ print(json.dumps(res))
 }
 
 #[test]
+#[serial]
 fn a_lost_state_is_rebuilt_from_the_outputs_and_no_row_moves() {
     let world = World::new(FAST);
     let rec = world.rec();
@@ -426,6 +431,7 @@ fn per_split(
 /// never falls, no seen row changes, nothing is featurised twice, and the outputs equal a
 /// rebuild's.
 #[test]
+#[serial]
 fn rows_recorded_before_a_kill_in_the_publish_window_are_published_not_cut() {
     let world = World::new(FAST);
     let rec = world.rec();
@@ -506,6 +512,7 @@ fn rows_recorded_before_a_kill_in_the_publish_window_are_published_not_cut() {
 /// rows are on disk, nothing records them, and `committed_rows` has not moved. Killed there, the
 /// service never showed them to a reader; the next start cuts them and ingests the file again.
 #[test]
+#[serial]
 fn rows_prepared_before_a_kill_in_the_manifest_window_were_never_visible() {
     let world = World::new(FAST);
     let rec = world.rec();
@@ -546,6 +553,7 @@ fn hdf5_extents(world: &World) -> Vec<u64> {
 /// The comparison of the tree with the manifest at start-up runs beside the ingest: a recording
 /// that arrives while it runs is committed at once, and what the comparison finds follows.
 #[test]
+#[serial]
 fn a_recording_arriving_during_the_start_up_rescan_is_ingested_at_once() {
     let world = World::new(FAST);
     let rec = world.rec();
@@ -576,6 +584,7 @@ fn a_recording_arriving_during_the_start_up_rescan_is_ingested_at_once() {
 }
 
 #[test]
+#[serial]
 fn an_unreadable_manifest_is_set_aside_and_rebuilt_from_the_outputs() {
     let world = World::new(FAST);
     for i in 0..4usize {

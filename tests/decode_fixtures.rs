@@ -3,9 +3,8 @@
 //! names its problem. The list comes from `cases.json`, so a new fixture without an expectation
 //! here fails the test instead of going unchecked.
 
-mod common;
+use crate::common::fixtures;
 use ailhd::decode::{decode, parse_header, SampleFormat, Waveform};
-use common::fixtures;
 
 const RATE: u32 = 4096;
 const N: usize = 40960; // 10 s

@@ -2,10 +2,15 @@
 //! a GPU's 1024, the usual soft limit 1024): `rebuild` must not open a whole batch at once, or
 //! every file past the limit would be quarantined as unreadable ("Too many open files").
 //!
-//! Alone in its test binary: it lowers this process's descriptor limit.
+//! It lowers its process's descriptor limit, so it runs alone in a child process (this test
+//! binary again, with `CHILD_ENV` set, running this test only): the other tests of the binary
+//! run on threads of the parent and would meet the lowered limit.
 
 use ailhd::config::{DeviceChoice, Settings};
 use ailhd::rebuild::{rebuild, Ui};
+use std::process::Command;
+
+const CHILD_ENV: &str = "AILHD_TEST_DESCRIPTORS_CHILD";
 
 fn open_descriptors() -> u64 {
     std::fs::read_dir("/proc/self/fd").unwrap().count() as u64
@@ -13,6 +18,25 @@ fn open_descriptors() -> u64 {
 
 #[test]
 fn a_batch_larger_than_the_descriptor_limit_is_rebuilt_whole() {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        let name = crate::common::test_name(
+            module_path!(),
+            "a_batch_larger_than_the_descriptor_limit_is_rebuilt_whole",
+        );
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args([&name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "{name} in a child process: {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            out.status
+        );
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let s = Settings::in_folder(dir.path());
     // 3 labels x 100 clips: one CPU batch of 256 and the rest.

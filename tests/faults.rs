@@ -3,9 +3,9 @@
 //! files (plain h5py, HDF5 1.10's h5dump, and an h5py SWMR reader that never closes them).
 //! A lost state folder is in `daemon.rs`, next to the other restarts.
 
-mod common;
-use common::service::*;
-use common::*;
+use crate::common::service::*;
+use crate::common::*;
+use serial_test::serial;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -64,6 +64,7 @@ fn fill(dir: &Path) -> PathBuf {
 }
 
 #[test]
+#[serial]
 fn a_full_output_disk_is_ridden_out_and_nothing_is_lost_or_torn() {
     let world = World::new(&format!(
         "{FAST}[metrics]\ntextfile = {:?}\n",
@@ -124,6 +125,7 @@ fn a_full_output_disk_is_ridden_out_and_nothing_is_lost_or_torn() {
 }
 
 #[test]
+#[serial]
 fn a_featuriser_failing_mid_run_is_ridden_out_and_nothing_is_lost() {
     let prom = std::env::temp_dir().join(format!("ailhd-featurise-{}.prom", std::process::id()));
     let world = World::new(&format!("{FAST}[metrics]\ntextfile = {prom:?}\n"));
@@ -231,6 +233,7 @@ print(total)
 }
 
 #[test]
+#[serial]
 fn idle_files_are_closed_for_plain_readers_and_reopened_under_a_swmr_reader() {
     let world = World::new(&format!("{FAST}idle_close_s = 1\n"));
     add(&world, 0..3);
@@ -256,6 +259,7 @@ fn idle_files_are_closed_for_plain_readers_and_reopened_under_a_swmr_reader() {
 }
 
 #[test]
+#[serial]
 fn folders_past_the_watch_limit_are_reported_rescanned_and_retried() {
     // A real inotify limit without touching the host's: in a user namespace of its own, the
     // service may hold 3 watches (the root, and two of the three label folders).

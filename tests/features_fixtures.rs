@@ -2,13 +2,12 @@
 //! every valid recording, both setups, decoded by `ailhd::decode` and compared under the
 //! tolerance `cases.json` gives for it. Also: a row never depends on its batch.
 
-mod common;
+use crate::common::{cases, fixtures, read_npy_f32};
 use ailhd::config::FeatureSettings;
 use ailhd::decode::{decode, Waveform};
 use ailhd::features::cpu::CpuFeaturiser;
 use ailhd::features::mel::check_accuracy;
 use ailhd::features::Featuriser;
-use common::{cases, fixtures, read_npy_f32};
 use half::f16;
 use serde_json::Value;
 

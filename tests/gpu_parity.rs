@@ -10,7 +10,7 @@
 //! reference fixtures in both precisions (the index arithmetic, filterbank, dB, clamp and float16
 //! store; a float64 DFT, rounded to the FFT's precision, stands in for cuFFT).
 
-mod common;
+use crate::common::{read_npy_f32, shared};
 use ailhd::config::FeatureSettings;
 use ailhd::decode::Waveform;
 use ailhd::features::cuda::{
@@ -18,7 +18,6 @@ use ailhd::features::cuda::{
 };
 use ailhd::features::mel::check_accuracy;
 use ailhd::features::Featuriser;
-use common::{read_npy_f32, shared};
 use half::f16;
 use std::path::{Path, PathBuf};
 use std::process::Command;

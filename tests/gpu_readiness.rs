@@ -9,11 +9,10 @@
 //!   `python3`, `gpu.library_path`, `$VIRTUAL_ENV`) and says where.
 //! - `run`, `rebuild` and `demo` on a host without a usable GPU log one short fallback line.
 
-mod common;
+use crate::common::{bin, ok, World};
 use ailhd::features::cuda::{
     self, compile, supported_architectures, KernelImage, ARCHITECTURES, KERNEL_ENTRY_POINTS,
 };
-use common::{bin, ok, World};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -417,7 +416,7 @@ fn one_fallback_line(command: &str, log: &str) {
 #[test]
 fn without_a_usable_gpu_run_rebuild_and_demo_say_so_in_one_short_line() {
     let world = World::new("[ingest]\ndevice = \"auto\"\n");
-    common::copy_fixture(
+    crate::common::copy_fixture(
         "leak_pcm16",
         &world.rec().join("LEAK/s1~r1~20240101000000~0.wav"),
     );
@@ -434,7 +433,7 @@ fn without_a_usable_gpu_run_rebuild_and_demo_say_so_in_one_short_line() {
     ok(&o);
     one_fallback_line("demo", &String::from_utf8_lossy(&o.stderr));
 
-    let service = common::service::Service::start(&world);
+    let service = crate::common::service::Service::start(&world);
     let log = service.terminate();
     one_fallback_line("run", &log);
 }

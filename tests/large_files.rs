@@ -5,9 +5,9 @@
 //! below their size: `rebuild` and `run` go through, the long file trimmed to its first row, the
 //! zeros quarantined with the reason. (`benches/large.rs` measures the same at 1.5 GB.)
 
-mod common;
-use common::service::*;
-use common::*;
+use crate::common::service::*;
+use crate::common::*;
+use serial_test::serial;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -126,6 +126,7 @@ fn zeros_reason(st: &serde_json::Value) -> String {
 }
 
 #[test]
+#[serial]
 fn rebuild_and_run_stay_within_a_memory_limit_below_the_size_of_one_file() {
     let world = World::new(FAST);
     add_clips(&world, 0..60);
@@ -186,6 +187,7 @@ fn rebuild_and_run_stay_within_a_memory_limit_below_the_size_of_one_file() {
 /// A long recording's row is that of its first 10 s as a file of its own, and the file is
 /// hashed whole (its own row, not the short file's).
 #[test]
+#[serial]
 fn a_long_recording_gives_the_row_of_its_first_ten_seconds() {
     let world = World::new(FAST);
     let first = long_wav(&world.rec().join(LONG), 96 << 20);

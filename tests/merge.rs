@@ -3,8 +3,7 @@
 //! (package hdf5-tools, installed by .ci/setup) as the HDF5 1.10 reader. Also the deploy files:
 //! `bash -n` and shellcheck for the scripts, a YAML parse of the Kubernetes manifest.
 
-mod common;
-use common::{bin, ok, python};
+use crate::common::{bin, ok, python};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

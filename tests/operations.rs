@@ -3,9 +3,9 @@
 //! reporting an accepted and a refused configuration through its exit status, and the metrics
 //! textfile the running service keeps.
 
-mod common;
-use common::service::Service;
-use common::*;
+use crate::common::service::Service;
+use crate::common::*;
+use serial_test::serial;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Stdio;
@@ -45,6 +45,7 @@ fn refused(world: &World, key: &str, path: &Path) {
 }
 
 #[test]
+#[serial]
 fn check_config_checks_the_folders_the_service_needs() {
     let world = World::new("");
     // Missing output and state whose parent is writable: fine, and not created by the check.
@@ -79,6 +80,7 @@ fn check_config_checks_the_folders_the_service_needs() {
 }
 
 #[test]
+#[serial]
 fn check_config_refuses_a_state_folder_the_service_user_cannot_write() {
     let world = World::new("");
     std::fs::create_dir_all(world.out()).unwrap();
@@ -128,6 +130,7 @@ fn add_recordings(world: &World, n: usize) {
 }
 
 #[test]
+#[serial]
 fn a_killed_rebuild_leaves_no_staging_behind_after_check_config_or_run() {
     let world = World::new(FAST);
     add_recordings(&world, 300);
@@ -184,6 +187,7 @@ fn a_killed_rebuild_leaves_no_staging_behind_after_check_config_or_run() {
 }
 
 #[test]
+#[serial]
 fn reload_reports_accepted_and_refused_configurations_through_its_exit_status() {
     let world = World::new(FAST);
     let o = world.run(&["reload"]);
@@ -237,6 +241,7 @@ fn reload_reports_accepted_and_refused_configurations_through_its_exit_status() 
 }
 
 #[test]
+#[serial]
 fn the_service_keeps_a_prometheus_textfile() {
     let dir = tempfile::tempdir().unwrap();
     let prom = dir.path().join("ailhd.prom");
@@ -345,6 +350,7 @@ fn promtool_check(what: &str, text: &str) {
 /// Every documented family is in the first answer to a scrape of `/metrics` and in the first
 /// textfile, before any event (counters at 0, an empty histogram), and both pass promtool.
 #[test]
+#[serial]
 fn every_documented_metric_family_is_there_from_the_first_scrape() {
     let dir = tempfile::tempdir().unwrap();
     let prom = dir.path().join("ailhd.prom");

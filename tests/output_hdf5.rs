@@ -2,16 +2,16 @@
 //! and SWMR), an h5py SWMR reader following a live writer, files left by a SIGKILLed writer,
 //! and refusal of files made with other settings.
 
-mod output_support;
+use crate::common::output as support;
 
 use ailhd::config::FeatureSettings;
 use ailhd::output::hdf5::Hdf5Sink;
 use ailhd::output::{OutputHeader, SplitSink};
-use output_support::{header, py, python_ready, rows, BASE_LABELS};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use support::{header, py, python_ready, rows, BASE_LABELS};
 
 fn append(sink: &mut dyn SplitSink, h: &OutputHeader, n: usize) -> u64 {
     let r = rows(h, sink.len(), n);
@@ -246,7 +246,7 @@ fn readers_holding_the_file_do_not_block_the_writer() {
     // A plain reader (h5py's default: with file locking) holds the closed file; the service
     // restarts and appends in SWMR mode. Then the same with a SWMR reader.
     for (mode, rows) in [("plain", 3), ("swmr", 6)] {
-        let mut reader = output_support::checker()
+        let mut reader = support::checker()
             .args([
                 "hold",
                 path.to_str().unwrap(),
@@ -323,7 +323,7 @@ fn swmr_reader_follows_the_writer() {
     let h = header(false);
     let mut sink = Hdf5Sink::create(&path, &h, true).unwrap();
     let target = 1500u64;
-    let reader = output_support::checker()
+    let reader = support::checker()
         .args([
             "swmr-follow",
             path.to_str().unwrap(),
@@ -435,7 +435,7 @@ fn kill_child_writer() {
 fn run_and_kill(path: &Path, swmr: bool, min_rows: Option<u64>, delay: Duration) -> u64 {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
-            "kill_child_writer",
+            &crate::common::test_name(module_path!(), "kill_child_writer"),
             "--exact",
             "--nocapture",
             "--test-threads=1",
@@ -541,8 +541,8 @@ fn reopen_after_sigkill_without_swmr() {
     reopen_after_sigkill(false);
 }
 
-/// Cost of a daemon-sized commit (a few rows): `cargo test --release --test output_hdf5 --
-/// --ignored --nocapture small_commit_latency`. Prints figures.
+/// Cost of a daemon-sized commit (a few rows): `cargo test --release --test tests --
+/// --ignored --nocapture output_hdf5::small_commit_latency`. Prints figures.
 #[test]
 #[ignore]
 fn small_commit_latency() {
@@ -561,8 +561,9 @@ fn small_commit_latency() {
     );
 }
 
-/// Throughput of bulk appends (what `rebuild` does): `cargo test --release --test output_hdf5
-/// -- --ignored --nocapture append_throughput`. Prints figures; asserts nothing about speed.
+/// Throughput of bulk appends (what `rebuild` does): `cargo test --release --test tests --
+/// --ignored --nocapture output_hdf5::append_throughput`. Prints figures; asserts nothing about
+/// speed.
 #[test]
 #[ignore]
 fn append_throughput() {

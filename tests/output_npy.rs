@@ -2,16 +2,16 @@
 //! `numpy.load(mmap_mode="r")` (after close, while uncommitted rows exist, while a writer is
 //! appending), recovery from a SIGKILLed writer, and refusal of other settings.
 
-mod output_support;
+use crate::common::output as support;
 
 use ailhd::config::FeatureSettings;
 use ailhd::output::npy::NpySink;
 use ailhd::output::{OutputHeader, SplitSink};
-use output_support::{header, py, python_ready, rows, BASE_LABELS};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use support::{header, py, python_ready, rows, BASE_LABELS};
 
 fn append(sink: &mut dyn SplitSink, h: &OutputHeader, n: usize) -> u64 {
     let r = rows(h, sink.len(), n);
@@ -225,7 +225,7 @@ fn numpy_reader_follows_the_writer() {
     let h = header(false);
     let mut sink = NpySink::create(&dir, &h).unwrap();
     let target = 1500u64;
-    let reader = output_support::checker()
+    let reader = support::checker()
         .args([
             "npy-follow",
             dir.to_str().unwrap(),
@@ -320,7 +320,7 @@ fn reopen_after_sigkill() {
     {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([
-                "npy_kill_child_writer",
+                &crate::common::test_name(module_path!(), "npy_kill_child_writer"),
                 "--exact",
                 "--nocapture",
                 "--test-threads=1",
@@ -388,8 +388,8 @@ fn reopen_after_sigkill() {
     }
 }
 
-/// Cost of a daemon-sized commit (a few rows): `cargo test --release --test output_npy --
-/// --ignored --nocapture small_commit_latency`. Prints figures.
+/// Cost of a daemon-sized commit (a few rows): `cargo test --release --test tests --
+/// --ignored --nocapture output_npy::small_commit_latency`. Prints figures.
 #[test]
 #[ignore]
 fn small_commit_latency() {
@@ -408,8 +408,8 @@ fn small_commit_latency() {
     );
 }
 
-/// Throughput of bulk appends: `cargo test --release --test output_npy -- --ignored
-/// --nocapture append_throughput`. Prints figures; asserts nothing about speed.
+/// Throughput of bulk appends: `cargo test --release --test tests -- --ignored --nocapture
+/// output_npy::append_throughput`. Prints figures; asserts nothing about speed.
 #[test]
 #[ignore]
 fn append_throughput() {

@@ -4,8 +4,8 @@
 //! finds no error and no warning in the .deb (where cargo-deb and lintian are installed; the
 //! test says when it skipped and why).
 
-mod common;
-use common::*;
+use crate::common::*;
+use serial_test::serial;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -36,6 +36,7 @@ fn files(dir: &Path) -> Vec<(String, String)> {
 }
 
 #[test]
+#[serial]
 fn packaged_man_pages_and_completions_are_what_the_command_line_makes() {
     let tmp = tempfile::tempdir().unwrap();
     let man = tmp.path().join("man");
@@ -69,6 +70,7 @@ fn packaged_man_pages_and_completions_are_what_the_command_line_makes() {
 }
 
 #[test]
+#[serial]
 fn the_changelog_names_this_version_and_the_maintainer() {
     let changelog = std::fs::read_to_string(repo().join("packaging/changelog")).unwrap();
     let first = changelog.lines().next().unwrap();
@@ -100,6 +102,7 @@ fn have(program: &str, args: &[&str]) -> bool {
 }
 
 #[test]
+#[serial]
 fn the_deb_is_lintian_clean() {
     if !have("cargo", &["deb", "--version"]) {
         return cannot_run(

@@ -2,9 +2,8 @@
 //! `status --png`), the test decodes it and looks for what must be in it: its size, text, the
 //! waveform, the colour scale, the bars per split, the arrivals, the out-of-water mark.
 
-mod common;
+use crate::common::*;
 use ailhd::plot::{palette, OUT_OF_WATER};
-use common::*;
 use std::path::Path;
 use std::time::{Duration, Instant};
 

@@ -4,9 +4,9 @@
 //! process while it reads a named recording (`FAILPOINTS=load-file=return(REL)`, see
 //! `engine::stages::load`).
 
-mod common;
-use common::service::*;
-use common::*;
+use crate::common::service::*;
+use crate::common::*;
+use serial_test::serial;
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -67,6 +67,7 @@ fn expect_reason(reason: &str) {
 }
 
 #[test]
+#[serial]
 fn a_recording_that_stops_the_service_twice_is_quarantined_and_the_rest_arrives() {
     let prom = std::env::temp_dir().join(format!("ailhd-poison-{}.prom", std::process::id()));
     let world = World::new(&format!("{FAST}[metrics]\ntextfile = {prom:?}\n"));
@@ -145,6 +146,7 @@ fn a_recording_that_stops_the_service_twice_is_quarantined_and_the_rest_arrives(
 }
 
 #[test]
+#[serial]
 fn a_recording_that_stops_rebuild_twice_is_quarantined_by_the_third() {
     let world = World::new(FAST);
     add(&world, 0..40);

@@ -24,11 +24,11 @@
 //! service falls short; each test fails at its end with the list. `POWER_LOSS_SEED` repeats a
 //! run's random timings (each test prints its seed).
 
-mod common;
+use crate::common::faultfs::{FaultFs, Mode};
+use crate::common::service::*;
+use crate::common::*;
 use ailhd::output::read::SwmrSplit;
-use common::faultfs::{FaultFs, Mode};
-use common::service::*;
-use common::*;
+use serial_test::serial;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -520,6 +520,7 @@ fn equals_rebuild(world: &World) -> Result<(), String> {
 // The file system itself
 
 #[test]
+#[serial]
 fn faultfs_keeps_only_what_was_made_durable_and_fails_on_command() {
     let dir = tempfile::tempdir().unwrap();
     let mut fs = FaultFs::mount(&dir.path().join("m"));
@@ -681,6 +682,7 @@ with open(sys.argv[1], "r+b") as f:
 /// same results and leave the same bytes (tests/py/fs_differential.py, in a process of its own):
 /// what the service writes reads back as from a local disk.
 #[test]
+#[serial]
 fn faultfs_reads_back_what_was_written_as_a_local_disk_does() {
     let dir = tempfile::tempdir().unwrap();
     let fs = FaultFs::mount(&dir.path().join("m"));
@@ -1049,6 +1051,7 @@ impl Rig {
 /// Each phase has a world of its own, so one that breaks the outputs for good does not keep
 /// the others from running.
 #[test]
+#[serial]
 fn power_cuts_lose_nothing_a_reader_saw_and_leave_outputs_equal_to_a_rebuild() {
     let seed = seed("power_cuts");
     let t = Instant::now();
@@ -1291,11 +1294,13 @@ fn failing_disk(test: &str, mode: Mode, rounds: usize) {
 }
 
 #[test]
+#[serial]
 fn every_write_failing_for_seconds_is_ridden_out_and_nothing_is_lost() {
     failing_disk("eio_all_writes", Mode::AllWrites, 10);
 }
 
 #[test]
+#[serial]
 fn fsync_alone_failing_for_seconds_is_ridden_out_and_nothing_is_lost() {
     failing_disk("eio_fsync_only", Mode::FsyncOnly, 10);
 }
@@ -1307,6 +1312,7 @@ fn fsync_alone_failing_for_seconds_is_ridden_out_and_nothing_is_lost() {
 /// following the outputs all along: no row it saw changes or disappears; then every recording
 /// has its one row, equal to a rebuild's.
 #[test]
+#[serial]
 fn a_sigkill_storm_takes_back_no_row_a_reader_saw() {
     let seed = seed("sigkill_storm");
     let mut rng = ailhd::synth::Rng::new(seed);

@@ -7,9 +7,9 @@
 //! rebuilt (online learning); the reader beside the README's own h5py open in one process; and
 //! the package installs with pip.
 
-mod common;
-use common::service::*;
-use common::*;
+use crate::common::service::*;
+use crate::common::*;
+use serial_test::serial;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -20,6 +20,7 @@ fn repo() -> PathBuf {
 }
 
 #[test]
+#[serial]
 fn reader_serves_what_h5py_reads_on_a_rebuild() {
     let world = World::new("[ingest]\ndevice = \"cpu\"\n");
     let labels = ["BACKGROUND", "CRACK", "LEAK", "NORMAL", "UNCLASSIFIED"];
@@ -36,6 +37,7 @@ fn reader_serves_what_h5py_reads_on_a_rebuild() {
 }
 
 #[test]
+#[serial]
 fn reader_follows_the_running_service() {
     // 40 recordings, 4 of them in the tree from the start.
     live_script("reader_live", "", 20, 11, 4);
@@ -48,6 +50,7 @@ fn reader_follows_the_running_service() {
 /// of epochs, the plain shuffled loop with persistent workers, replay and two DDP ranks. Needs
 /// torch (`.ci/setup` installs it): without it the script fails, it does not skip.
 #[test]
+#[serial]
 fn reader_online_learning_with_a_real_dataloader() {
     // 200 recordings, 12 of them in the tree from the start.
     live_script("reader_online", "idle_close_s = 1\n", 100, 31, 12);
@@ -57,6 +60,7 @@ fn reader_online_learning_with_a_real_dataloader() {
 /// in one Python process, in either order, while the real service appends, and after it closed
 /// its files when idle and reopened them (tests/py/reader_beside_h5py.py).
 #[test]
+#[serial]
 fn reader_and_the_readme_h5py_snippet_share_one_process() {
     // 40 recordings, 8 of them in the tree from the start.
     live_script("reader_beside_h5py", "idle_close_s = 1\n", 20, 41, 8);
@@ -117,6 +121,7 @@ fn h5dump_features(out: &Path, bins: &Path) {
 /// after the rebuild, while the service appends, and after it stops; and h5dump 1.10 reads
 /// the appended file's features as h5py does.
 #[test]
+#[serial]
 fn rebuilt_then_appended_files_keep_feature_rows_aligned() {
     let world = World::new(FAST);
     let labels = ["BACKGROUND", "LEAK", "NORMAL"];
@@ -157,6 +162,7 @@ fn rebuilt_then_appended_files_keep_feature_rows_aligned() {
 /// `pip install ./python` works: build the wheel (no network: the build backend installed
 /// here), install it into a folder, and import the installed copy.
 #[test]
+#[serial]
 fn reader_package_installs_with_pip() {
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("site");

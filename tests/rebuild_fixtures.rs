@@ -1,8 +1,7 @@
 //! `ailhd rebuild` on a tree built from the shared fixtures, checked as users read it: h5py for
 //! the HDF5 files, numpy memmaps for the npy columns, `status --json` for the quarantine.
 
-mod common;
-use common::*;
+use crate::common::*;
 use std::collections::BTreeMap;
 use std::path::Path;
 

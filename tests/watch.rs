@@ -2,6 +2,7 @@
 //! rename, `mkdir -p` then write, moves of files and whole folders), and the events that come out.
 //! Every receive has a timeout, so a missing event fails the test instead of hanging it.
 
+use serial_test::serial;
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -110,6 +111,7 @@ fn no_rescan(events: &[WatchEvent]) {
 }
 
 #[test]
+#[serial]
 fn copied_file_is_touched_then_closed() {
     let t = tree(&["LEAK"]);
     let src = t.outside.join("src.wav");
@@ -134,6 +136,7 @@ fn copied_file_is_touched_then_closed() {
 }
 
 #[test]
+#[serial]
 fn slow_writer_is_modified_while_writing_and_closed_at_the_end() {
     let t = tree(&["LEAK"]);
     let (_w, rx) = watch(&t.root);
@@ -169,6 +172,7 @@ fn slow_writer_is_modified_while_writing_and_closed_at_the_end() {
 }
 
 #[test]
+#[serial]
 fn temp_name_then_rename_reports_only_the_final_name() {
     let t = tree(&["NORMAL"]);
     let (_w, rx) = watch(&t.root);
@@ -187,6 +191,7 @@ fn temp_name_then_rename_reports_only_the_final_name() {
 }
 
 #[test]
+#[serial]
 fn file_written_right_after_mkdir_p_is_seen_every_time() {
     let t = tree(&[]);
     let (_w, rx) = watch(&t.root);
@@ -209,6 +214,7 @@ fn file_written_right_after_mkdir_p_is_seen_every_time() {
 }
 
 #[test]
+#[serial]
 fn delete_is_removed() {
     let t = tree(&["LEAK"]);
     fs::write(t.root.join("LEAK/a.wav"), b"RIFF").unwrap();
@@ -224,6 +230,7 @@ fn delete_is_removed() {
 }
 
 #[test]
+#[serial]
 fn move_between_folders_is_removed_then_moved_in() {
     let t = tree(&["LEAK", "NORMAL"]);
     fs::write(t.root.join("LEAK/a.wav"), b"RIFF").unwrap();
@@ -243,6 +250,7 @@ fn move_between_folders_is_removed_then_moved_in() {
 }
 
 #[test]
+#[serial]
 fn file_moved_in_and_out_of_the_tree() {
     let t = tree(&["LEAK"]);
     fs::write(t.outside.join("in.wav"), b"RIFF").unwrap();
@@ -258,6 +266,7 @@ fn file_moved_in_and_out_of_the_tree() {
 }
 
 #[test]
+#[serial]
 fn folder_moved_in_reports_every_wav_inside_as_moved_in() {
     let t = tree(&["LEAK"]);
     let d = t.outside.join("day1");
@@ -297,6 +306,7 @@ fn folder_moved_in_reports_every_wav_inside_as_moved_in() {
 }
 
 #[test]
+#[serial]
 fn folder_moved_away_or_deleted_is_removed_dir() {
     let t = tree(&["LEAK/day1/sub", "LEAK/day2"]);
     fs::write(t.root.join("LEAK/day1/sub/a.wav"), b"RIFF").unwrap();
@@ -326,6 +336,7 @@ fn folder_moved_away_or_deleted_is_removed_dir() {
 }
 
 #[test]
+#[serial]
 fn folder_renamed_within_the_tree_is_removed_then_moved_in() {
     let t = tree(&["LEAK/day1", "NORMAL"]);
     fs::write(t.root.join("LEAK/day1/a.wav"), b"RIFF").unwrap();
@@ -360,6 +371,7 @@ fn folder_renamed_within_the_tree_is_removed_then_moved_in() {
 }
 
 #[test]
+#[serial]
 fn non_wav_files_raise_no_events() {
     let t = tree(&["LEAK"]);
     fs::write(t.root.join("LEAK/old.txt"), b"x").unwrap();
@@ -385,6 +397,7 @@ fn non_wav_files_raise_no_events() {
 }
 
 #[test]
+#[serial]
 fn stopping_closes_the_channel_and_sends_nothing_more() {
     let t = tree(&["LEAK"]);
     let (w, rx) = watch(&t.root);
@@ -425,6 +438,7 @@ async fn delivers_into_a_tokio_channel() {
 }
 
 #[test]
+#[serial]
 fn start_fails_with_a_clear_message() {
     let t = tree(&[]);
     let missing = t.root.join("nope");
@@ -445,6 +459,7 @@ fn start_fails_with_a_clear_message() {
 }
 
 #[test]
+#[serial]
 fn errno_values_become_advice() {
     let enospc = errno_advice(libc::ENOSPC).unwrap();
     assert!(

@@ -4,8 +4,8 @@
 //! nothing. The holder is stopped (SIGSTOP) during the attempts, so that nothing moves by itself
 //! and the before/after comparison is exact.
 
-mod common;
-use common::*;
+use crate::common::*;
+use serial_test::serial;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -140,6 +140,7 @@ fn second_writers_are_refused(world: &World, holder: &Child, role: &str) {
 }
 
 #[test]
+#[serial]
 fn a_second_writer_beside_a_running_service_is_refused_and_changes_nothing() {
     let world = World::new(FAST);
     add_recordings(&world, 4);
@@ -182,6 +183,7 @@ fn a_second_writer_beside_a_running_service_is_refused_and_changes_nothing() {
 }
 
 #[test]
+#[serial]
 fn a_second_writer_beside_a_running_rebuild_is_refused_and_changes_nothing() {
     let world = World::new(FAST);
     add_recordings(&world, 200);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and figures for docs/gpu.md, on a CUDA host with no Rust toolchain.
-# Prepare the carry first, here: benches/gpu/prepare-carry.sh (release binary, the gpu_parity test
-# and daemon benchmark executables, fixtures, make_dataset.py, overlap32.toml in $CARRY, default
+# Prepare the carry first, here: benches/gpu/prepare-carry.sh (release binary, the test binary
+# (its gpu_parity:: tests run here) and daemon benchmark executables, fixtures, make_dataset.py, overlap32.toml in $CARRY, default
 # .device-carry). Then, on the device, from the repository root:
 #   benches/gpu/device-run.sh [STEP...]
 # Steps (default: all, in this order; each can run on its own, the device tool allows 10 minutes
@@ -9,7 +9,7 @@
 # "daemon"):
 #   info     the GPU, driver, CPU count, CUDA libraries
 #   doctor   `ailhd doctor` (libraries, self-test of both setups against the float64 reference)
-#   tests    the gpu_parity tests with AILHD_REQUIRE_GPU=1 (fail, never skip)
+#   tests    the gpu_parity:: tests with AILHD_REQUIRE_GPU=1 (fail, never skip)
 #   parity   rebuild of the fixture tree with --device cuda and cpu, both setups; rows against
 #            the reference fixtures and cuda against cpu, read with h5py (parity.py)
 #   dataset  the benchmark tree: $N clips (default 39,563) made by make_tree.py (every core)
@@ -69,7 +69,7 @@ doctor)
     "$BIN" doctor 2>&1 | tee "$OUT/doctor.txt" || failed=1
     ;;
 tests)
-    AILHD_REQUIRE_GPU=1 AILHD_SHARED="$CARRY/shared" "$CARRY/gpu_parity" --test-threads 1 --nocapture \
+    AILHD_REQUIRE_GPU=1 AILHD_SHARED="$CARRY/shared" "$CARRY/tests" gpu_parity:: --test-threads 1 --nocapture \
         >"$OUT/tests.txt" 2>&1 || failed=1
     grep -E "^test |test result|skipping|panicked|GPU vs reference|DeviceTimes" "$OUT/tests.txt" | head -80
     ;;

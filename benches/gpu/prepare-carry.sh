@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build here what benches/gpu/device-run.sh needs on a CUDA host that has no Rust toolchain, into
 # $CARRY (default .device-carry, git-ignored): the release binary, the release builds of the
-# gpu_parity test and the daemon benchmark, the shared fixtures, make_dataset.py and the
-# overlap32 setup. The device tool carries at most 64 MiB: this script fails above that.
+# test binary (tests/tests.rs: device-run.sh runs its gpu_parity:: tests) and of the daemon
+# benchmark, the shared fixtures, make_dataset.py and the overlap32 setup. The device tool carries at most 64 MiB: this script fails above that.
 # Run from the repository root after `. .ci/setup`; SHARED (default ../shared) holds fixtures/ and tools/.
 set -euo pipefail
 CARRY=${CARRY:-.device-carry}
@@ -24,10 +24,10 @@ for line in sys.stdin:
         print(m["executable"])
 ' "$name" "$kind" | tail -1
 }
-parity_exe=$(exe_of gpu_parity test test --release --test gpu_parity)
+tests_exe=$(exe_of tests test test --release --test tests)
 daemon_exe=$(exe_of daemon bench bench --bench daemon)  # the bench profile: release settings
 rebuild_exe=$(exe_of rebuild bench bench --bench rebuild)
-if [ -z "$parity_exe" ] || [ -z "$daemon_exe" ] || [ -z "$rebuild_exe" ]; then
+if [ -z "$tests_exe" ] || [ -z "$daemon_exe" ] || [ -z "$rebuild_exe" ]; then
     echo "could not find the test/bench executables" >&2
     exit 1
 fi
@@ -35,10 +35,10 @@ fi
 rm -rf "$CARRY"
 mkdir -p "$CARRY/shared/fixtures" "$CARRY/shared/tools"
 cp "$TARGET/release/ailhd" "$CARRY/ailhd"
-cp "$parity_exe" "$CARRY/gpu_parity"
+cp "$tests_exe" "$CARRY/tests"
 cp "$daemon_exe" "$CARRY/daemon_bench"
 cp "$rebuild_exe" "$CARRY/rebuild_bench"
-strip "$CARRY/rebuild_bench" "$CARRY/daemon_bench" "$CARRY/gpu_parity" 2>/dev/null || true
+strip "$CARRY/rebuild_bench" "$CARRY/daemon_bench" "$CARRY/tests" 2>/dev/null || true
 # The daemon benchmark runs the binary at the path cargo baked into it (CARGO_BIN_EXE_ailhd).
 realpath "$TARGET/release/ailhd" >"$CARRY/daemon_bench.ailhd-path"
 cp -r "$SHARED/fixtures/features" "$CARRY/shared/fixtures/"

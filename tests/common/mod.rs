@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod faultfs;
+pub mod output;
 pub mod service;
 
 use std::path::{Path, PathBuf};
@@ -175,4 +176,12 @@ pub fn ok(o: &Output) -> String {
         String::from_utf8_lossy(&o.stderr)
     );
     String::from_utf8_lossy(&o.stdout).to_string()
+}
+
+/// The name libtest gives a test of this binary (`daemon::some_test`), from the `module_path!()`
+/// of its module (`tests::daemon`): for a test that runs one of this binary's tests alone in a
+/// child process (`current_exe() NAME --exact`).
+pub fn test_name(module_path: &str, test: &str) -> String {
+    let module = module_path.split_once("::").map_or("", |(_, m)| m);
+    format!("{module}::{test}")
 }

@@ -2,7 +2,7 @@
 
 Reads an ailhd output the way a user does (h5py, numpy.load with mmap_mode="r") and compares
 every column with the rows the Rust tests generate (`expected_*` mirrors
-tests/output_support/mod.rs). Prints one JSON object; exits non-zero with a message on a mismatch.
+tests/common/output.rs). Prints one JSON object; exits non-zero with a message on a mismatch.
 """
 
 import argparse
