@@ -343,8 +343,7 @@ fn a_lost_state_is_rebuilt_from_the_outputs_and_no_row_moves() {
 
     // A trainer keeps reading by row number while the state folder is lost and the service
     // starts again.
-    let reader = PyReader::start(&world, "rows_keep.py");
-    std::thread::sleep(Duration::from_millis(300));
+    let reader = PyReader::start_opened(&world, "rows_keep.py");
     std::fs::remove_dir_all(world.state()).unwrap();
     let svc = Service::start(&world);
     let snap = svc.wait("the tree checked against the recovered manifest", |s| {
@@ -455,7 +454,7 @@ fn rows_recorded_before_a_kill_in_the_publish_window_are_published_not_cut() {
     write_via_rename(&rec, &names[0], &clip("LEAK", 50));
     write_via_rename(&rec, &names[1], &clip("NORMAL", 51));
     write_via_rename(&rec, "CRACK/new.wav", &clip("CRACK", 52));
-    let reader = PyReader::start(&world, "rows_keep.py");
+    let reader = PyReader::start_opened(&world, "rows_keep.py");
     // Test builds have a fail point there (Cargo.toml, feature `failpoints`): the first batch
     // that appends rows sleeps between the manifest's flush and the outputs' publish.
     let svc = Service::start_failing(&world, "commit-before-publish=1*sleep(120000)");
@@ -523,7 +522,7 @@ fn rows_prepared_before_a_kill_in_the_manifest_window_were_never_visible() {
     let svc = Service::start(&world);
     svc.wait("4 files committed", |s| committed(s) == 4);
     svc.terminate();
-    let reader = PyReader::start(&world, "rows_keep.py");
+    let reader = PyReader::start_opened(&world, "rows_keep.py");
     // The first batch that appends rows sleeps between the outputs' prepare and the manifest.
     let svc = Service::start_failing(&world, "commit-before-manifest=1*sleep(120000)");
     write_via_rename(&rec, "CRACK/late.wav", &clip_wav("CRACK", 810));

@@ -137,7 +137,7 @@ fn a_featuriser_failing_mid_run_is_ridden_out_and_nothing_is_lost() {
     // point in the featurise stage (Cargo.toml, feature `failpoints`), here failing the next 3
     // batches featurised, as a featuriser that lost its device would.
     let svc = Service::start_failing(&world, "featurise=3*return(the device is gone)");
-    let reader = PyReader::start(&world, "rows_keep.py");
+    let reader = PyReader::start_opened(&world, "rows_keep.py");
     add(&world, 4..7);
     let snap = svc.wait("the failure reported", |s| {
         s["service"]["write_failing"].is_object()

@@ -261,6 +261,26 @@ impl PyReader {
         }
     }
 
+    /// [`PyReader::start`], and wait until the script says it has opened the files (it creates
+    /// `STOPFILE.open`): what the test does next (restart the service, say) cannot race its
+    /// open.
+    pub fn start_opened(world: &World, script: &'static str) -> PyReader {
+        let mut reader = PyReader::start(world, script);
+        let opened = PathBuf::from(format!("{}.open", reader.stop.display()));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        while !opened.exists() {
+            if let Ok(Some(status)) = reader.child.try_wait() {
+                panic!("{script} exited ({status}) before opening the files");
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{script} did not open the files within 120 s"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        reader
+    }
+
     /// Tell it to stop; it must exit 0. Returns what it printed.
     pub fn finish(self) -> String {
         std::fs::write(&self.stop, b"").unwrap();

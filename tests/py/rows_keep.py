@@ -3,7 +3,7 @@ until STOPFILE exists, and fails if a row it has seen ever holds other bytes (it
 a row moved) or if committed_rows ever goes down (rows disappeared). Files that are replaced or
 vanish while it polls are a failure too.
 
-usage: rows_keep.py OUTPUT_DIR STOPFILE
+usage: rows_keep.py OUTPUT_DIR STOPFILE   (creates STOPFILE.open once the files are open)
 """
 import os
 import sys
@@ -15,6 +15,7 @@ out, stop = sys.argv[1], sys.argv[2]
 names = ["TRAINING_DATASET.H5", "VALIDATION_DATASET.H5", "TESTING_DATASET.H5"]
 files = {n: h5py.File(os.path.join(out, n), "r", libver="latest", swmr=True) for n in names}
 inodes = {n: os.stat(os.path.join(out, n)).st_ino for n in names}
+open(stop + ".open", "w").close()  # the test goes on once the files are open
 seen = {n: [] for n in names}
 committed = {n: 0 for n in names}
 polls = 0
