@@ -5,7 +5,7 @@
 //!
 //! Values are a version byte followed by the record in postcard (a compact serde format: cheap
 //! to write on the bulk path); `meta/schema_version` is checked on open, and older layouts are
-//! upgraded in place (see `migrations/` and [`crate::migrate`]).
+//! upgraded in place (see `migrations/` and [`Manifest::upgrade`]).
 
 use crate::identity::Hash;
 use serde::{Deserialize, Serialize};
@@ -13,88 +13,10 @@ use std::mem::ManuallyDrop;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Version of the manifest layout. The descriptions and upgrade steps live in `migrations/`.
-pub const MANIFEST_SCHEMA_VERSION: u32 = 3;
-
-/// First byte of every stored record: the layout it was written with.
-const RECORD_VERSION: u8 = 2;
-
-/// Why a path has no row, as stored: a stable kind (for metrics and tests) and the text an
-/// operator reads.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StoredReason {
-    pub kind: String,
-    pub text: String,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct FileRecord {
-    /// blake3 of the bytes (None when the file could not be read at all).
-    pub hash: Option<Hash>,
-    /// Size and mtime of the bytes judged: the file is looked at again only when they change.
-    pub size: u64,
-    pub mtime_ns: i64,
-    /// Set when the path is quarantined; None when it holds a row (its content's).
-    pub quarantine: Option<StoredReason>,
-    /// Unix milliseconds when this record was written.
-    pub updated_ms: i64,
-}
-
-impl FileRecord {
-    /// The row this path holds, if it holds one.
-    pub fn holds(&self) -> Option<&Hash> {
-        match self.quarantine {
-            None => self.hash.as_ref(),
-            Some(_) => None,
-        }
-    }
-}
-
-/// Where a content's row is. Rows never move.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub struct RowRef {
-    pub split: u8,
-    pub row: u64,
-}
-
-/// A content hash: its row, and the live paths holding these bytes, in byte order. The first
-/// path owns the row (its label and file-name columns are the row's).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ContentRecord {
-    /// None only while the row is being (re)made: its owner is queued for reading.
-    pub row: Option<RowRef>,
-    /// Label id written in the row.
-    pub label: i16,
-    /// Mirrors the outputs' `valid` column.
-    pub valid: bool,
-    pub paths: Vec<String>,
-}
-
-impl ContentRecord {
-    pub fn owner(&self) -> Option<&str> {
-        self.paths.first().map(|s| s.as_str())
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ManifestError {
-    #[error("manifest {path}: {source}")]
-    Db { path: String, source: sled::Error },
-    #[error("manifest {path} has schema version {found}, newer than this ailhd supports ({supported}): upgrade ailhd, or move the state directory away and run `ailhd rebuild`")]
-    TooNew {
-        path: String,
-        found: u32,
-        supported: u32,
-    },
-    #[error("manifest {path} has unknown schema version `{found}`: move the state directory away and run `ailhd rebuild`")]
-    Unknown { path: String, found: String },
-    #[error("manifest {path}: corrupt record for `{key}`: {message}")]
-    Corrupt {
-        path: String,
-        key: String,
-        message: String,
-    },
-}
+use super::records::decode;
+pub use super::records::{
+    encode, ContentRecord, FileRecord, ManifestError, RowRef, StoredReason, MANIFEST_SCHEMA_VERSION,
+};
 
 /// The sled database and its trees. The handles are dropped by [`Manifest`]'s own `Drop`, where
 /// a panic of sled's is contained (see there).
@@ -174,21 +96,6 @@ pub struct ManifestBatch {
     rows: Vec<(usize, u64)>,
     meta: sled::Batch,
     pub len: usize,
-}
-
-pub fn encode<T: Serialize>(rec: &T) -> Vec<u8> {
-    let mut out = vec![RECORD_VERSION];
-    // Serialising plain structs into a Vec cannot fail.
-    out.extend(postcard::to_stdvec(rec).expect("records serialise"));
-    out
-}
-
-fn decode<T: for<'de> Deserialize<'de>>(v: &[u8]) -> Result<T, String> {
-    match v.split_first() {
-        Some((&RECORD_VERSION, body)) => postcard::from_bytes(body).map_err(|e| e.to_string()),
-        Some((other, _)) => Err(format!("record version {other}")),
-        None => Err("empty record".into()),
-    }
 }
 
 impl ManifestBatch {
@@ -341,9 +248,9 @@ impl Manifest {
                     path: path.clone(),
                     found: text.clone(),
                 })?;
-                crate::migrate::check_manifest_version(&path, found)?;
+                super::records::check_version(&path, found)?;
                 if found < MANIFEST_SCHEMA_VERSION {
-                    crate::migrate::upgrade_manifest(&m, found)?;
+                    m.upgrade(found)?;
                 }
             }
         }
@@ -433,8 +340,34 @@ impl Manifest {
         }
     }
 
-    pub(crate) fn trees(&self) -> (&sled::Tree, &sled::Tree, &sled::Tree) {
-        (&*self.files, &*self.content, &*self.meta)
+    /// Upgrade an older layout in place, one version at a time (see `migrations/`). 1 -> 2 is
+    /// [`crate::migrate`]'s, on the raw trees; 2 -> 3 derives the summary `status` reads and the
+    /// trees of quarantined paths and shared contents from the records. Idempotent: a step
+    /// interrupted before its version is written runs again.
+    fn upgrade(&self, from: u32) -> Result<(), ManifestError> {
+        if from == 1 {
+            crate::migrate::upgrade_manifest_1_to_2(&crate::migrate::Trees {
+                path: &self.path,
+                files: &self.files,
+                content: &self.content,
+                meta: &self.meta,
+            })?;
+            self.flush()?;
+            log::info!(
+                "manifest {}: upgraded from schema version 1 to 2",
+                self.path
+            );
+        }
+        self.derive_summary()?;
+        self.meta
+            .insert("schema_version", b"3")
+            .map_err(|e| self.err(e))?;
+        self.flush()?;
+        log::info!(
+            "manifest {}: upgraded from schema version 2 to 3",
+            self.path
+        );
+        Ok(())
     }
 
     /// sled met an I/O error through this handle: what it holds in memory may differ from the
@@ -785,11 +718,61 @@ mod tests {
     fn a_record_of_another_version_is_reported_corrupt_not_misread() {
         let dir = tempfile::tempdir().unwrap();
         let m = Manifest::open(dir.path()).unwrap();
-        m.trees().0.insert("LEAK/a.wav", vec![9u8, 1, 2]).unwrap();
+        m.files.insert("LEAK/a.wav", vec![9u8, 1, 2]).unwrap();
         let err = m.get_file("LEAK/a.wav").unwrap_err().to_string();
         assert!(
             err.contains("LEAK/a.wav") && err.contains("version 9"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_version_1_manifest_is_upgraded_with_paths_and_row_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = [5u8; 32];
+        let hex = crate::identity::hex(&h);
+        {
+            let db = sled::open(dir.path()).unwrap();
+            let meta = db.open_tree("meta").unwrap();
+            meta.insert("schema_version", b"1").unwrap();
+            let files = db.open_tree("files").unwrap();
+            for p in ["NORMAL/b.wav", "LEAK/a.wav"] {
+                let v = format!(
+                    r#"{{"v":"1","hash":"{hex}","size":3,"mtime_ns":4,"label":2,"split":1,"row":7,"state":"committed","reason":null,"updated_ms":1}}"#
+                );
+                files.insert(p, v.as_bytes()).unwrap();
+            }
+            files
+                .insert("LEAK/bad.wav", &br#"{"v":"1","hash":null,"size":0,"mtime_ns":0,"label":null,"split":null,"row":null,"state":"quarantined","reason":"not a WAV file","updated_ms":1}"#[..])
+                .unwrap();
+            let content = db.open_tree("content").unwrap();
+            content
+                .insert(
+                    &h[..],
+                    &br#"{"v":"1","split":1,"row":7,"label":2,"valid":true,"refs":2}"#[..],
+                )
+                .unwrap();
+            db.flush().unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let m = Manifest::open(dir.path()).unwrap();
+        assert_eq!(m.get_meta("schema_version").unwrap().as_deref(), Some("3"));
+        let c = m.get_content(&h).unwrap().unwrap();
+        assert_eq!(c.paths, vec!["LEAK/a.wav", "NORMAL/b.wav"]);
+        assert_eq!(c.row, Some(RowRef { split: 1, row: 7 }));
+        assert_eq!(m.rows().unwrap(), [0, 8, 0]);
+        let bad = m.get_file("LEAK/bad.wav").unwrap().unwrap();
+        assert_eq!(bad.quarantine.unwrap().text, "not a WAV file");
+        assert_eq!(m.get_file("LEAK/a.wav").unwrap().unwrap().holds(), Some(&h));
+        // 2 -> 3: the summary and the derived trees.
+        let s = m.summary();
+        assert_eq!((s.committed, s.quarantined, s.valid), (2, 1, [0, 1, 0]));
+        assert_eq!(s.per_label[1].get(&2), Some(&1));
+        let q: Vec<_> = m.quarantined().map(Result::unwrap).collect();
+        assert_eq!(
+            q,
+            vec![("LEAK/bad.wav".to_string(), "not a WAV file".to_string())]
+        );
+        assert_eq!(m.shared_contents().count(), 1);
     }
 }

@@ -26,6 +26,7 @@ pub mod manifest;
 pub mod outcome;
 #[cfg(test)]
 mod property;
+pub mod records;
 pub mod recover;
 pub mod stages;
 

@@ -7,20 +7,21 @@
 //!   featuriser) gathers complete files into micro-batches by the rules of [`batch`] (the cap,
 //!   a removal held for its arrival, group commit) and hands them to the engine, whose stages
 //!   overlap: the next batch loads while the previous one is featurised and committed. It keeps
-//!   the status snapshot ([`snapshot`]).
+//!   the status snapshot. What the two share is in [`shared`].
 //!
 //! Shutdown comes in as a future, so tests stop the service the way systemd does.
 
 pub mod batch;
-mod snapshot;
+mod shared;
 mod worker;
 
+use self::shared::{Report, Shared, Work};
 use crate::config::Settings;
 use crate::engine::manifest::now_ms;
 use crate::engine::outcome::{Observation, Reason};
-use crate::engine::{Done, Engine, Input, Reconciliation};
+use crate::engine::{Engine, Input};
 use crate::lock::WriterLocks;
-use crate::source::settle::{PendingFile, Settled, Settler};
+use crate::source::settle::{Settled, Settler};
 use crate::source::watch::{WatchEvent, Watcher};
 use crate::source::{self, Found};
 use anyhow::Context;
@@ -28,8 +29,8 @@ use sd_notify::NotifyState;
 use std::collections::HashMap;
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -49,37 +50,6 @@ pub fn run(settings: Settings, config_path: Option<PathBuf>) -> anyhow::Result<(
         };
         serve(settings, config_path, shutdown).await
     })
-}
-
-/// What the worker is asked to do.
-enum Work {
-    Op(Input),
-    /// Compare the whole tree with the manifest (start-up, overflow, periodic).
-    Rescan,
-    Reload(Box<Settings>),
-}
-
-/// What the worker tells the event loop.
-enum Report {
-    Reconciled(Reconciliation),
-    Batch(Done),
-}
-
-/// State shared with the worker for `status` and the watchdog.
-#[derive(Default)]
-struct Shared {
-    /// Files touched and not yet complete (the settle stage), for the queue depth.
-    settling: AtomicUsize,
-    /// Complete files waiting for the worker.
-    queued: AtomicUsize,
-    /// Last time the worker was seen making progress or idle (ms since the epoch).
-    alive_ms: AtomicI64,
-    /// Files waiting to be complete (the settle stage's list, refreshed now and then).
-    pending: Mutex<Vec<PendingFile>>,
-    /// Set while writing fails (for systemd's STATUS=).
-    fault: Mutex<Option<String>>,
-    /// Folders the watcher could not watch (limits), with why.
-    unwatched: Mutex<Vec<(PathBuf, String)>>,
 }
 
 pub async fn serve(
