@@ -460,12 +460,32 @@ impl Manifest {
 
     /// Every file record, in path order.
     pub fn files(&self) -> impl Iterator<Item = Result<(String, FileRecord), ManifestError>> + '_ {
-        self.files.iter().map(move |kv| {
-            let (k, v) = kv.map_err(|e| self.err(e))?;
-            let key = String::from_utf8_lossy(&k).to_string();
-            let rec = decode(&v).map_err(|m| self.corrupt(key.clone(), m))?;
-            Ok((key, rec))
-        })
+        self.files.iter().map(move |kv| self.file_entry(kv))
+    }
+
+    /// The file records from path `from` (included; None: the first) to `to` (excluded; None:
+    /// past the last), in path order.
+    pub fn files_between(
+        &self,
+        from: Option<&str>,
+        to: Option<&str>,
+    ) -> impl Iterator<Item = Result<(String, FileRecord), ManifestError>> + '_ {
+        use std::ops::Bound;
+        let from = from.map_or(Bound::Unbounded, |p| Bound::Included(p.as_bytes().to_vec()));
+        let to = to.map_or(Bound::Unbounded, |p| Bound::Excluded(p.as_bytes().to_vec()));
+        self.files
+            .range::<Vec<u8>, _>((from, to))
+            .map(move |kv| self.file_entry(kv))
+    }
+
+    fn file_entry(
+        &self,
+        kv: sled::Result<(sled::IVec, sled::IVec)>,
+    ) -> Result<(String, FileRecord), ManifestError> {
+        let (k, v) = kv.map_err(|e| self.err(e))?;
+        let key = String::from_utf8_lossy(&k).to_string();
+        let rec = decode(&v).map_err(|m| self.corrupt(key.clone(), m))?;
+        Ok((key, rec))
     }
 
     /// Every content record.

@@ -26,6 +26,7 @@ pub mod manifest;
 pub mod outcome;
 #[cfg(test)]
 mod property;
+pub mod reconcile;
 pub mod records;
 pub mod recover;
 pub mod stages;
@@ -43,6 +44,7 @@ use ledger::{Counts, Ledger, Plan};
 use manifest::Manifest;
 use outcome::{Observation, Reason};
 use rayon::prelude::*;
+pub use reconcile::{reconcile, reconcile_with, Reconciliation};
 use stages::StageTimes;
 use std::path::Path;
 use std::sync::Arc;
@@ -778,17 +780,6 @@ fn done_of(plan: Plan) -> Done {
     }
 }
 
-/// What the tree holds that the manifest does not know (or knows differently).
-#[derive(Debug, Default)]
-pub struct Reconciliation {
-    /// Recordings new or changed (size or mtime) since they were recorded: to settle.
-    pub changed: Vec<String>,
-    /// Recorded paths no longer in the tree.
-    pub removed: Vec<String>,
-    /// Rejected paths not yet recorded with that reason.
-    pub rejected: Vec<Observation>,
-}
-
 impl Engine {
     /// Compare the tree with the manifest (start-up, lost events, the periodic safety rescan).
     pub fn reconcile(&self) -> anyhow::Result<Reconciliation> {
@@ -799,66 +790,6 @@ impl Engine {
     pub fn manifest_handle(&self) -> Arc<Manifest> {
         self.manifest.clone()
     }
-}
-
-/// Compare the tree with the manifest. Safe beside commits (the service runs it on a thread of
-/// its own while recordings keep arriving): a file a commit recorded after the tree was listed
-/// is not reported removed (it is checked for again), and one reported changed that a commit
-/// recorded meanwhile is found unchanged when it is loaded.
-pub fn reconcile(settings: &Settings, manifest: &Manifest) -> anyhow::Result<Reconciliation> {
-    let mut all = Reconciliation::default();
-    reconcile_with(settings, manifest, None, &mut |part| {
-        all.changed.extend(part.changed);
-        all.removed.extend(part.removed);
-        all.rejected.extend(part.rejected);
-    })?;
-    Ok(all)
-}
-
-/// `lstat` of paths relative to a root, resolved from an open descriptor of their folder
-/// (`fstatat`): paths in listing order share folders, and a lookup of the name alone costs a
-/// fraction of a whole path's.
-struct FolderStat<'a> {
-    root: &'a Path,
-    folder: Option<(String, Option<std::fs::File>)>,
-}
-
-impl<'a> FolderStat<'a> {
-    fn new(root: &'a Path) -> Self {
-        FolderStat { root, folder: None }
-    }
-
-    /// Size and mtime (ns) of `rel`, or None when it is not there (or cannot be looked at).
-    fn stat(&mut self, rel: &str) -> Option<(u64, i64)> {
-        use std::os::fd::AsRawFd;
-        let (dir, name) = rel.rsplit_once('/').unwrap_or(("", rel));
-        if self.folder.as_ref().is_none_or(|(d, _)| d != dir) {
-            let file = std::fs::File::open(self.root.join(dir)).ok();
-            self.folder = Some((dir.to_string(), file));
-        }
-        let fd = self.folder.as_ref()?.1.as_ref()?.as_raw_fd();
-        let name = std::ffi::CString::new(name).ok()?;
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: a valid descriptor and NUL-terminated name; `st` is written by the call.
-        let rc = unsafe { libc::fstatat(fd, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) };
-        (rc == 0).then(|| {
-            (
-                st.st_size as u64,
-                st.st_mtime * 1_000_000_000 + st.st_mtime_nsec,
-            )
-        })
-    }
-}
-
-/// CPU seconds the calling thread has used (for debug lines).
-fn thread_cpu_seconds() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a plain system call writing into `ts`.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
 /// A manifest that was lost is rebuilt from the outputs' own columns; rows the outputs committed
@@ -989,186 +920,6 @@ fn commit_loop(
     Ok(committer)
 }
 
-/// How often [`reconcile_with`] hands on what it found so far.
-const RECONCILE_REPORT_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
-
-/// [`reconcile`], handing its findings to `emit` as it goes, in the order a service wants them:
-///
-/// 1. what the listing alone tells, with no `stat` and no record decoded: paths the manifest does
-///    not know (new recordings: most of what arrives while a service is down) and rejected
-///    ones, from one pass over the sorted listing beside the manifest's keys in the same order;
-/// 2. recordings whose size or mtime differ from their records (one `stat` each), and recorded
-///    paths that are gone;
-/// 3. rows waiting to be made anew (their owner was to be read again when ailhd stopped).
-///
-/// What it costs grows with the tree (a listing, a pass over the records, a `stat` per file),
-/// but nothing waits for it: new recordings are handed on within the first pass, and the
-/// service keeps ingesting beside it.
-///
-/// `listed` is a listing of the tree made since its watches were set up (the service's start
-/// lists the tree while the engine opens); without one, the tree is listed here.
-pub fn reconcile_with(
-    settings: &Settings,
-    manifest: &Manifest,
-    listed: Option<Vec<crate::source::Found>>,
-    emit: &mut dyn FnMut(Reconciliation),
-) -> anyhow::Result<()> {
-    let root = &settings.paths.recordings;
-    // Test builds: a sleep here holds a rescan (tests/daemon.rs ingests beside it).
-    fail::fail_point!("reconcile-listed", |_| Ok(()));
-    let (started, cpu) = (Instant::now(), thread_cpu_seconds());
-    let took = || {
-        format!(
-            "{:.0} ms ({:.0} ms of CPU)",
-            started.elapsed().as_secs_f64() * 1e3,
-            (thread_cpu_seconds() - cpu) * 1e3
-        )
-    };
-    let found = match listed {
-        Some(found) => found,
-        None => {
-            let found = crate::source::scan(root)?;
-            log::debug!("rescan: {} paths listed after {}", found.len(), took());
-            found
-        }
-    };
-    let mut out = Emitter {
-        part: Reconciliation::default(),
-        last: Instant::now(),
-        emit,
-    };
-    let (known, unlisted) = new_paths(manifest, &found, &mut out)?;
-    out.flush(true);
-    log::debug!("rescan: new paths handed on after {}", took());
-    changed_or_gone(root, &found, known, unlisted, &mut out);
-    out.flush(true);
-    log::debug!("rescan: changed and gone handed on after {}", took());
-    rows_to_remake(manifest, &found, &mut out)?;
-    out.flush(true);
-    log::debug!("rescan: done after {}", took());
-    Ok(())
-}
-
-/// Hands on what the comparison found, in parts, at most every [`RECONCILE_REPORT_EVERY`].
-struct Emitter<'a> {
-    part: Reconciliation,
-    last: Instant,
-    emit: &'a mut dyn FnMut(Reconciliation),
-}
-
-impl Emitter<'_> {
-    fn flush(&mut self, force: bool) {
-        let p = &self.part;
-        let any = !p.changed.is_empty() || !p.removed.is_empty() || !p.rejected.is_empty();
-        if any && (force || self.last.elapsed() >= RECONCILE_REPORT_EVERY) {
-            (self.emit)(std::mem::take(&mut self.part));
-            self.last = Instant::now();
-        }
-    }
-}
-
-/// Listed recordings that have a record: (index in the listing, recorded size, mtime).
-type Known = Vec<(u32, u64, i64)>;
-
-/// Phase 1: the sorted listing beside the records, in the same (byte) order. Hands on new paths
-/// and newly rejected ones; returns the listed paths that have records, and the recorded paths
-/// that are not listed.
-fn new_paths(
-    manifest: &Manifest,
-    found: &[crate::source::Found],
-    out: &mut Emitter,
-) -> anyhow::Result<(Known, Vec<String>)> {
-    let mut known: Known = Vec::new();
-    let mut unlisted: Vec<String> = Vec::new();
-    let mut records = manifest.files().peekable();
-    for (i, item) in found.iter().enumerate() {
-        let rel = item.rel();
-        // Records before this path are not listed: gone, or recorded after the listing. An
-        // error is taken too, and returned.
-        let mut record = None;
-        while let Some(next) =
-            records.next_if(|r| r.as_ref().map_or(true, |(key, _)| key.as_str() <= rel))
-        {
-            let (key, rec) = next?;
-            if key == rel {
-                record = Some(rec);
-                break;
-            }
-            unlisted.push(key);
-        }
-        match (item, record) {
-            (crate::source::Found::Recording(rel), None) => out.part.changed.push(rel.clone()),
-            (crate::source::Found::Recording(_), Some(rec)) => {
-                known.push((i as u32, rec.size, rec.mtime_ns));
-            }
-            (crate::source::Found::Rejected { rel, reason }, rec) => {
-                let same = rec
-                    .and_then(|rec| rec.quarantine)
-                    .is_some_and(|q| q.kind == reason.kind());
-                if !same {
-                    out.part.rejected.push(Observation::Rejected {
-                        rel: rel.clone(),
-                        reason: reason.clone(),
-                        size: 0,
-                        mtime_ns: 0,
-                    });
-                }
-            }
-        }
-        out.flush(false);
-    }
-    for item in records {
-        unlisted.push(item?.0);
-    }
-    Ok((known, unlisted))
-}
-
-/// Phase 2: changed in place, or gone (a path recorded after the listing is still there).
-fn changed_or_gone(
-    root: &Path,
-    found: &[crate::source::Found],
-    known: Known,
-    unlisted: Vec<String>,
-    out: &mut Emitter,
-) {
-    let mut folders = FolderStat::new(root);
-    for (i, size, mtime_ns) in known {
-        let rel = found[i as usize].rel();
-        let Some(now) = folders.stat(rel) else {
-            continue; // gone since the listing: the watcher reports it
-        };
-        if now != (size, mtime_ns) {
-            out.part.changed.push(rel.to_string());
-        }
-        out.flush(false);
-    }
-    for rel in unlisted {
-        if std::fs::symlink_metadata(root.join(&rel)).is_err() {
-            out.part.removed.push(rel);
-        }
-    }
-}
-
-/// Phase 3: a row waiting to be made anew (its owner was to be read again when we stopped).
-fn rows_to_remake(
-    manifest: &Manifest,
-    found: &[crate::source::Found],
-    out: &mut Emitter,
-) -> anyhow::Result<()> {
-    for item in manifest.contents() {
-        let (_, c) = item?;
-        if let (None, Some(owner)) = (c.row, c.owner()) {
-            if found
-                .binary_search_by(|f| f.rel().cmp(owner))
-                .is_ok_and(|i| matches!(found[i], crate::source::Found::Recording(_)))
-            {
-                out.part.changed.push(owner.to_string());
-            }
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1209,67 +960,6 @@ mod tests {
             .unwrap()
             .set_len(len)
             .unwrap();
-    }
-
-    /// The comparison with the manifest hands on new paths before it looks at any recorded
-    /// file (its first part holds them, and nothing else about recordings), then what changed
-    /// in place and what is gone; and it agrees with what the tree holds.
-    #[test]
-    fn a_reconcile_hands_on_new_paths_first_then_changes_and_removals() {
-        let dir = tempfile::tempdir().unwrap();
-        let s = Settings::in_folder(dir.path());
-        let leak = s.paths.recordings.join("LEAK");
-        std::fs::create_dir_all(&leak).unwrap();
-        let write = |i: usize| {
-            let name = crate::synth::file_name(i, 1);
-            let samples = crate::synth::clip("LEAK", i as u64, 4096, 1.0);
-            std::fs::write(leak.join(&name), crate::synth::wav_pcm16(&samples, 4096)).unwrap();
-            format!("LEAK/{name}")
-        };
-        let recorded: Vec<String> = (0..6).map(write).collect();
-        let mut engine = Engine::open_live(&s, DeviceChoice::Cpu).unwrap();
-        engine
-            .submit(
-                recorded
-                    .iter()
-                    .map(|rel| Input::Load {
-                        rel: rel.clone(),
-                        seen: None,
-                    })
-                    .collect(),
-            )
-            .unwrap();
-        engine.wait().unwrap();
-        // While "stopped": two new files, one changed in place, one deleted.
-        let new: Vec<String> = (10..12).map(write).collect();
-        let changed = &recorded[2];
-        let t = std::fs::File::options()
-            .append(true)
-            .open(s.paths.recordings.join(changed))
-            .unwrap();
-        t.set_len(t.metadata().unwrap().len() + 2).unwrap();
-        std::fs::remove_file(s.paths.recordings.join(&recorded[4])).unwrap();
-
-        let mut parts = Vec::new();
-        reconcile_with(&s, engine.manifest(), None, &mut |p| parts.push(p)).unwrap();
-        // In the order handed on: both new paths before the changed one and the removal.
-        let order: Vec<&String> = parts
-            .iter()
-            .flat_map(|p| p.changed.iter().chain(&p.removed))
-            .collect();
-        assert_eq!(order.len(), 4, "{order:?}");
-        let mut first_two: Vec<String> = order[..2].iter().map(|s| s.to_string()).collect();
-        first_two.sort();
-        assert_eq!(first_two, new, "new paths come first: {order:?}");
-        let all = reconcile(&s, engine.manifest()).unwrap();
-        let mut changed_all = all.changed.clone();
-        changed_all.sort();
-        let mut want = new.clone();
-        want.push(changed.clone());
-        want.sort();
-        assert_eq!(changed_all, want);
-        assert_eq!(all.removed, vec![recorded[4].clone()]);
-        assert!(all.rejected.is_empty());
     }
 
     /// A large file goes to its lane: the recordings of its batch are decided and committed

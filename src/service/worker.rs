@@ -101,6 +101,8 @@ pub(super) struct Worker {
     pub(super) device: String,
     /// The start's listing of the tree, made while the engine opened: the first rescan's.
     pub(super) listed: Option<Vec<crate::source::Found>>,
+    /// The first rescan also looks for rows to make anew (see [`crate::engine::reconcile_with`]).
+    pub(super) remake: bool,
 }
 
 impl Worker {
@@ -239,22 +241,24 @@ impl Worker {
         let settings = self.settings.clone();
         let report = self.report.clone();
         let listed = self.listed.take();
+        let remake = std::mem::take(&mut self.remake);
         let spawned = std::thread::Builder::new()
             .name("ailhd-rescan".into())
             .spawn(move || {
-                // SAFETY: plain system calls about the calling thread.
-                unsafe {
-                    let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-                    libc::setpriority(libc::PRIO_PROCESS, tid, 10);
-                }
+                lower_priority();
                 // What it finds goes on at once, part by part: new recordings first.
                 let (mut changed, mut gone) = (0, 0);
-                let result =
-                    crate::engine::reconcile_with(&settings, &manifest, listed, &mut |part| {
+                let result = crate::engine::reconcile_with(
+                    &settings,
+                    &manifest,
+                    listed,
+                    remake,
+                    &mut |part| {
                         changed += part.changed.len();
                         gone += part.removed.len();
                         let _ = report.send(Report::Reconciled(part));
-                    });
+                    },
+                );
                 match result {
                     Ok(()) => {
                         if changed > 0 || gone > 0 {
@@ -399,6 +403,7 @@ impl Worker {
             snapshot_cost: Duration::ZERO,
             last_work: Instant::now(),
             listed,
+            remake: true,
         };
         match engine {
             Ok(e) => {
@@ -764,6 +769,19 @@ impl Worker {
             let t = Instant::now();
             self.snapshot();
             self.snapshot_cost = t.elapsed();
+        }
+    }
+}
+
+/// The calling thread runs only when nothing else wants the CPU (`SCHED_IDLE`; where that is
+/// refused, nice 19): a rescan must not take time from recordings that wait.
+fn lower_priority() {
+    // SAFETY: plain system calls about the calling thread (0: this thread).
+    unsafe {
+        let param = libc::sched_param { sched_priority: 0 };
+        if libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) != 0 {
+            let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+            libc::setpriority(libc::PRIO_PROCESS, tid, 19);
         }
     }
 }

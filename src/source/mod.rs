@@ -14,7 +14,7 @@ use crate::decode::{self, DecodeError};
 use crate::engine::outcome::Reason;
 use settle::Probe;
 use std::fs::{File, FileType};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// What the source found at a path.
 #[derive(Debug, Clone, PartialEq)]
@@ -84,15 +84,67 @@ pub fn scan(root: &Path) -> anyhow::Result<Vec<Found>> {
         "paths.recordings = {} is not a folder (set it in the configuration)",
         root.display()
     );
-    let mut found = Vec::new();
-    scan_folder(root, &mut String::new(), true, &mut found);
-    found.sort_unstable_by(|a, b| a.rel().cmp(b.rel()));
+    let (mut found, mut folders) = (Vec::new(), Vec::new());
+    scan_folder(
+        root,
+        &mut String::new(),
+        true,
+        &mut found,
+        Some(&mut folders),
+    );
+    // The top folders (one per label) are listed side by side, each sorted on its thread; the
+    // stable sort then only merges the sorted runs.
+    found.extend(scan_folders(&folders).into_iter().flatten());
+    found.sort_by(|a, b| a.rel().cmp(b.rel()));
     Ok(found)
 }
 
+/// A folder whose listing was left for later: (path, relative path ending with `/`, UTF-8).
+type Deferred = (PathBuf, String, bool);
+
+/// Lists each of `folders` (and what is below it), on as many threads as the process may use
+/// (at most four); each listing sorted.
+fn scan_folders(folders: &[Deferred]) -> Vec<Vec<Found>> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = cores.min(4).min(folders.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut lists: Vec<(usize, Vec<Found>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some((dir, rel, utf8)) = folders.get(i) else {
+                            return done;
+                        };
+                        let mut list = Vec::new();
+                        scan_folder(dir, &mut rel.clone(), *utf8, &mut list, None);
+                        list.sort_unstable_by(|a, b| a.rel().cmp(b.rel()));
+                        done.push((i, list));
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("a listing thread panicked"))
+            .collect()
+    });
+    lists.sort_unstable_by_key(|(i, _)| *i);
+    lists.into_iter().map(|(_, list)| list).collect()
+}
+
 /// Lists `dir` (relative path `rel`, ending with `/` unless empty; `utf8`: every folder name
-/// on the way is valid UTF-8) into `found`, and its sub-folders in turn.
-fn scan_folder(dir: &Path, rel: &mut String, utf8: bool, found: &mut Vec<Found>) {
+/// on the way is valid UTF-8) into `found`, and its sub-folders in turn (or, with `defer`,
+/// leaves them there for [`scan_folders`]).
+fn scan_folder(
+    dir: &Path,
+    rel: &mut String,
+    utf8: bool,
+    found: &mut Vec<Found>,
+    mut defer: Option<&mut Vec<Deferred>>,
+) {
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) => {
@@ -123,7 +175,10 @@ fn scan_folder(dir: &Path, rel: &mut String, utf8: bool, found: &mut Vec<Found>)
         let utf8 = utf8 && name_utf8.is_some();
         if file_type.is_dir() {
             rel.push('/');
-            scan_folder(&entry.path(), rel, utf8, found);
+            match defer.as_deref_mut() {
+                Some(later) => later.push((entry.path(), rel.clone(), utf8)),
+                None => scan_folder(&entry.path(), rel, utf8, found, None),
+            }
             continue;
         }
         if !is_wav_name(name.as_encoded_bytes()) {
