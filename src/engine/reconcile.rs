@@ -78,13 +78,15 @@ const RECONCILE_REPORT_EVERY: std::time::Duration = std::time::Duration::from_mi
 ///    over the sorted listing beside the manifest's records in the same order;
 /// 2. recordings whose size or mtime differ from their records (one `stat` each), and recorded
 ///    paths that are gone;
-/// 3. with `remake`, rows waiting to be made anew (their owner was to be read again when ailhd
+/// 3. at a `start`, rows waiting to be made anew (their owner was to be read again when ailhd
 ///    stopped; a running engine reads them again itself, so only a start needs to look).
 ///
 /// What it costs grows with the tree (a listing, a pass over the records, a `stat` per file),
 /// but nothing waits for it: the first new path goes on as soon as it is found, the rest every
-/// [`RECONCILE_REPORT_EVERY`], and the service keeps ingesting beside it. The first two passes
-/// share the listing out among up to [`threads_for`] threads, each over its own range of paths.
+/// [`RECONCILE_REPORT_EVERY`], and the service keeps ingesting beside it. At a `start` (when
+/// recordings that arrived while ailhd was down wait for it) the listing and the first two passes
+/// use up to [`threads_for`] threads, each over its own folders or range of paths; a periodic
+/// rescan uses one, and leaves the other cores to the recordings arriving meanwhile.
 ///
 /// `listed` is a listing of the tree made since its watches were set up (the service's start
 /// lists the tree while the engine opens); without one, the tree is listed here.
@@ -92,7 +94,7 @@ pub fn reconcile_with(
     settings: &Settings,
     manifest: &Manifest,
     listed: Option<Vec<crate::source::Found>>,
-    remake: bool,
+    start: bool,
     emit: &mut (dyn FnMut(Reconciliation) + Send),
 ) -> anyhow::Result<()> {
     let root = &settings.paths.recordings;
@@ -103,7 +105,7 @@ pub fn reconcile_with(
     let found = match listed {
         Some(found) => found,
         None => {
-            let found = crate::source::scan(root)?;
+            let found = crate::source::scan_on(root, if start { 4 } else { 1 })?;
             log::debug!("rescan: {} paths listed after {}", found.len(), took());
             found
         }
@@ -116,7 +118,7 @@ pub fn reconcile_with(
             .unwrap_or_else(Instant::now),
         emit,
     });
-    let threads = threads_for(found.len());
+    let threads = if start { threads_for(found.len()) } else { 1 };
     let (known, unlisted) = new_paths(manifest, &found, threads, &out)?;
     lock(&out).flush(true);
     log::debug!(
@@ -131,7 +133,7 @@ pub fn reconcile_with(
     }
     lock(&out).flush(true);
     log::debug!("rescan: changed and gone handed on after {}", took());
-    if remake {
+    if start {
         let mut out = lock(&out);
         rows_to_remake(manifest, &found, &mut out)?;
         out.flush(true);

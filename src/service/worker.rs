@@ -101,8 +101,8 @@ pub(super) struct Worker {
     pub(super) device: String,
     /// The start's listing of the tree, made while the engine opened: the first rescan's.
     pub(super) listed: Option<Vec<crate::source::Found>>,
-    /// The first rescan also looks for rows to make anew (see [`crate::engine::reconcile_with`]).
-    pub(super) remake: bool,
+    /// The next rescan is the start's (see [`crate::engine::reconcile_with`]).
+    pub(super) start: bool,
 }
 
 impl Worker {
@@ -241,7 +241,7 @@ impl Worker {
         let settings = self.settings.clone();
         let report = self.report.clone();
         let listed = self.listed.take();
-        let remake = std::mem::take(&mut self.remake);
+        let start = std::mem::take(&mut self.start);
         let spawned = std::thread::Builder::new()
             .name("ailhd-rescan".into())
             .spawn(move || {
@@ -252,7 +252,7 @@ impl Worker {
                     &settings,
                     &manifest,
                     listed,
-                    remake,
+                    start,
                     &mut |part| {
                         changed += part.changed.len();
                         gone += part.removed.len();
@@ -403,7 +403,7 @@ impl Worker {
             snapshot_cost: Duration::ZERO,
             last_work: Instant::now(),
             listed,
-            remake: true,
+            start: true,
         };
         match engine {
             Ok(e) => {

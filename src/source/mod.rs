@@ -79,6 +79,11 @@ pub fn classify_path(root: &Path, rel: &Path) -> Option<Found> {
 /// decides, without its per-path parsing: 200,000 recordings are listed in a fraction of the
 /// time).
 pub fn scan(root: &Path) -> anyhow::Result<Vec<Found>> {
+    scan_on(root, 4)
+}
+
+/// [`scan`] on at most `threads` threads (and the cores the process may use).
+pub fn scan_on(root: &Path, threads: usize) -> anyhow::Result<Vec<Found>> {
     anyhow::ensure!(
         root.is_dir(),
         "paths.recordings = {} is not a folder (set it in the configuration)",
@@ -94,7 +99,7 @@ pub fn scan(root: &Path) -> anyhow::Result<Vec<Found>> {
     );
     // The top folders (one per label) are listed side by side, each sorted on its thread; the
     // stable sort then only merges the sorted runs.
-    found.extend(scan_folders(&folders).into_iter().flatten());
+    found.extend(scan_folders(&folders, threads).into_iter().flatten());
     found.sort_by(|a, b| a.rel().cmp(b.rel()));
     Ok(found)
 }
@@ -102,11 +107,11 @@ pub fn scan(root: &Path) -> anyhow::Result<Vec<Found>> {
 /// A folder whose listing was left for later: (path, relative path ending with `/`, UTF-8).
 type Deferred = (PathBuf, String, bool);
 
-/// Lists each of `folders` (and what is below it), on as many threads as the process may use
-/// (at most four); each listing sorted.
-fn scan_folders(folders: &[Deferred]) -> Vec<Vec<Found>> {
+/// Lists each of `folders` (and what is below it), on up to `threads` threads (no more than the
+/// process may use); each listing sorted.
+fn scan_folders(folders: &[Deferred], threads: usize) -> Vec<Vec<Found>> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = cores.min(4).min(folders.len());
+    let threads = cores.min(threads).min(folders.len());
     let next = std::sync::atomic::AtomicUsize::new(0);
     let mut lists: Vec<(usize, Vec<Found>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
