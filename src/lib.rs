@@ -50,6 +50,7 @@ pub mod metrics;
 pub mod migrate;
 pub mod output;
 pub mod ownership;
+pub mod pace;
 pub mod plot;
 pub mod rebuild;
 pub mod reload;

@@ -127,6 +127,7 @@ pub fn reconcile_with(
     );
     changed_or_gone(root, &found, known, threads, &out);
     for rel in unlisted {
+        crate::pace::give_way();
         if std::fs::symlink_metadata(root.join(&rel)).is_err() {
             lock(&out).push(|p| p.removed.push(rel));
         }
@@ -213,7 +214,11 @@ fn new_paths(
                 let from = (j > 0).then(|| found[range.start].rel());
                 let to = (j + 1 < parts.len()).then(|| found[range.end].rel());
                 let range = range.clone();
-                scope.spawn(move || new_paths_in(manifest, found, range, from, to, out))
+                let gate = crate::pace::current();
+                scope.spawn(move || {
+                    crate::pace::install(gate);
+                    new_paths_in(manifest, found, range, from, to, out)
+                })
             })
             .collect();
         handles
@@ -243,6 +248,7 @@ fn new_paths_in(
     let mut unlisted: Vec<String> = Vec::new();
     let mut records = manifest.files_between(from, to).peekable();
     for (i, item) in found.iter().enumerate().take(range.end).skip(range.start) {
+        crate::pace::give_way();
         let rel = item.rel();
         // Records before this path are not listed: gone, or recorded after the listing. An
         // error is taken too, and returned.
@@ -298,9 +304,12 @@ fn changed_or_gone(
     let known = &known;
     std::thread::scope(|scope| {
         for range in ranges(known.len(), threads) {
+            let gate = crate::pace::current();
             scope.spawn(move || {
+                crate::pace::install(gate);
                 let mut folders = FolderStat::new(root);
                 for &(i, size, mtime_ns) in &known[range] {
+                    crate::pace::give_way();
                     let rel = found[i as usize].rel();
                     let Some(now) = folders.stat(rel) else {
                         continue; // gone since the listing: the watcher reports it

@@ -291,6 +291,7 @@ impl EventLoop {
                 Some(Found::Recording(_)) => {
                     if kind.is_strong() {
                         self.strong_at.insert(path.clone(), Instant::now());
+                        self.shared.arrived();
                     }
                     self.settler.note(&path, kind.is_strong(), Instant::now());
                 }

@@ -5,8 +5,9 @@ use crate::config::Settings;
 use crate::engine::{Done, Input, Reconciliation};
 use crate::source::settle::PendingFile;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicI64, AtomicUsize};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 /// What the worker is asked to do.
 pub(super) enum Work {
@@ -29,6 +30,11 @@ pub(super) struct Shared {
     pub(super) settling: AtomicUsize,
     /// Complete files waiting for the worker.
     pub(super) queued: AtomicUsize,
+    /// Batches the worker has handed to the engine and not seen done yet.
+    pub(super) in_flight: AtomicUsize,
+    /// When a recording was last closed after writing or moved into place ([`mono_us`]; 0:
+    /// none yet): it goes on at once, but is counted as queued only once probed.
+    pub(super) arrived_us: AtomicU64,
     /// Last time the worker was seen making progress or idle (ms since the epoch).
     pub(super) alive_ms: AtomicI64,
     /// Files waiting to be complete (the settle stage's list, refreshed now and then).
@@ -37,4 +43,55 @@ pub(super) struct Shared {
     pub(super) fault: Mutex<Option<String>>,
     /// Folders the watcher could not watch (limits), with why.
     pub(super) unwatched: Mutex<Vec<(PathBuf, String)>>,
+}
+
+/// How long after a recording arrived (closed after writing, moved in) a rescan still gives
+/// way to it without seeing it queued: the settle stage probes it within this time.
+const ARRIVING: Duration = Duration::from_millis(5);
+
+impl Shared {
+    /// Whether recordings are on their way: arrived a moment ago, queued for the worker, or in
+    /// the engine. A periodic rescan gives way meanwhile ([`crate::pace`]).
+    pub(super) fn busy(&self) -> bool {
+        let arrived = self.arrived_us.load(Ordering::Relaxed);
+        self.queued.load(Ordering::Relaxed) > 0
+            || self.in_flight.load(Ordering::Relaxed) > 0
+            || (arrived > 0 && mono_us().saturating_sub(arrived) < ARRIVING.as_micros() as u64)
+    }
+
+    pub(super) fn arrived(&self) {
+        // Never 0: that is "nothing arrived yet".
+        self.arrived_us.store(mono_us().max(1), Ordering::Relaxed);
+    }
+}
+
+/// Microseconds on a monotonic clock, from the first call in the process.
+fn mono_us() -> u64 {
+    static T0: OnceLock<Instant> = OnceLock::new();
+    T0.get_or_init(Instant::now).elapsed().as_micros() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn busy_while_a_recording_arrives_waits_or_is_written() {
+        let s = Shared::default();
+        assert!(!s.busy());
+        s.queued.store(1, Ordering::Relaxed);
+        assert!(s.busy());
+        s.queued.store(0, Ordering::Relaxed);
+        s.in_flight.store(2, Ordering::Relaxed);
+        assert!(s.busy());
+        s.in_flight.store(0, Ordering::Relaxed);
+        assert!(!s.busy());
+        s.arrived();
+        assert!(s.busy(), "a recording that just arrived is on its way");
+        std::thread::sleep(ARRIVING + Duration::from_millis(2));
+        assert!(
+            !s.busy(),
+            "once probed it is counted as queued, not as arriving"
+        );
+    }
 }

@@ -242,10 +242,17 @@ impl Worker {
         let report = self.report.clone();
         let listed = self.listed.take();
         let start = std::mem::take(&mut self.start);
+        // A periodic rescan gives way to recordings on their way; the start's does not (those
+        // that arrived while the service was down wait for it).
+        let gate = (!start).then(|| {
+            let shared = self.shared.clone();
+            crate::pace::Gate::new(move || shared.busy())
+        });
         let spawned = std::thread::Builder::new()
             .name("ailhd-rescan".into())
             .spawn(move || {
                 lower_priority();
+                crate::pace::install(gate.clone());
                 // What it finds goes on at once, part by part: new recordings first.
                 let (mut changed, mut gone) = (0, 0);
                 let result = crate::engine::reconcile_with(
@@ -263,6 +270,12 @@ impl Worker {
                     Ok(()) => {
                         if changed > 0 || gone > 0 {
                             log::info!("rescan: {changed} new or changed, {gone} gone");
+                        }
+                        if let Some((paused, pauses)) = gate.map(|g| g.paused()) {
+                            log::debug!(
+                                "rescan: gave way to recordings {pauses} times, {:.0} ms in all",
+                                paused.as_secs_f64() * 1e3
+                            );
                         }
                     }
                     Err(e) => {
@@ -421,6 +434,9 @@ impl Worker {
     fn tick(&mut self) {
         self.shared.alive_ms.store(now_ms(), Ordering::Relaxed);
         self.take_completed();
+        self.shared
+            .in_flight
+            .store(self.in_flight(), Ordering::Relaxed);
         if self.rescan_again
             && self.fault.is_none()
             && self.reconciling.as_ref().is_none_or(|h| h.is_finished())
@@ -506,6 +522,9 @@ impl Worker {
             self.dropped += n_ops;
             self.fail(e);
         }
+        self.shared
+            .in_flight
+            .store(self.in_flight(), Ordering::Relaxed);
         self.dirty = true;
     }
 

@@ -116,7 +116,9 @@ fn scan_folders(folders: &[Deferred], threads: usize) -> Vec<Vec<Found>> {
     let mut lists: Vec<(usize, Vec<Found>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
+                let gate = crate::pace::current();
                 scope.spawn(|| {
+                    crate::pace::install(gate);
                     let mut done = Vec::new();
                     loop {
                         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -159,6 +161,7 @@ fn scan_folder(
     };
     let base = rel.len();
     for entry in entries {
+        crate::pace::give_way();
         let entry = match entry {
             Ok(e) => e,
             Err(e) => {

@@ -1,0 +1,141 @@
+//! Background work that gives way to recordings being ingested.
+//!
+//! A periodic rescan compares the whole tree with the manifest: a listing, a pass over the
+//! records and a `stat` per file, seconds of work at a few hundred thousand recordings. Its
+//! thread already runs only when nothing else wants the CPU, yet on a small host what it does
+//! beside the ingest path (memory and cache traffic, the kernel's folder and inode work) still
+//! slows a recording committed meanwhile. So its loops call [`give_way`] per item: while the
+//! thread's [`Gate`] says recordings are on their way, it sleeps, for at most [`MAX_PAUSE`] at a
+//! time, so that it always ends. Threads it starts take its gate along ([`current`],
+//! [`install`]).
+//!
+//! Threads without a gate (the start-up comparison, which recordings that arrived while the
+//! service was down wait for; `rebuild`) never pause.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Longest a pause lasts: under a steady stream a rescan still moves on.
+pub const MAX_PAUSE: Duration = Duration::from_millis(50);
+
+/// The step a paused thread looks at its gate again.
+const STEP: Duration = Duration::from_micros(500);
+
+/// Says whether recordings are on their way now, and counts the pauses it caused.
+pub struct Gate {
+    busy: Box<dyn Fn() -> bool + Send + Sync>,
+    paused_us: AtomicU64,
+    pauses: AtomicU64,
+}
+
+impl Gate {
+    pub fn new(busy: impl Fn() -> bool + Send + Sync + 'static) -> Arc<Gate> {
+        Arc::new(Gate {
+            busy: Box::new(busy),
+            paused_us: AtomicU64::new(0),
+            pauses: AtomicU64::new(0),
+        })
+    }
+
+    /// How long in all, and how many times, the threads behind this gate gave way.
+    pub fn paused(&self) -> (Duration, u64) {
+        (
+            Duration::from_micros(self.paused_us.load(Ordering::Relaxed)),
+            self.pauses.load(Ordering::Relaxed),
+        )
+    }
+}
+
+thread_local! {
+    static CURRENT: RefCell<Option<Arc<Gate>>> = const { RefCell::new(None) };
+}
+
+/// From now on, [`give_way`] on this thread pauses while `gate` is shut (None: never).
+pub fn install(gate: Option<Arc<Gate>>) {
+    CURRENT.with(|c| *c.borrow_mut() = gate);
+}
+
+/// This thread's gate, for a thread it starts to [`install`].
+pub fn current() -> Option<Arc<Gate>> {
+    CURRENT.with(|c| c.borrow().clone())
+}
+
+/// Pause while this thread's gate says recordings are on their way (at most [`MAX_PAUSE`]).
+/// Cheap to call per item: without a gate it does nothing, with one it reads a few atomics.
+pub fn give_way() {
+    let Some(gate) = current() else {
+        return;
+    };
+    if !(gate.busy)() {
+        return;
+    }
+    let start = Instant::now();
+    while (gate.busy)() && start.elapsed() < MAX_PAUSE {
+        std::thread::sleep(STEP);
+    }
+    let waited = start.elapsed().as_micros() as u64;
+    gate.paused_us.fetch_add(waited, Ordering::Relaxed);
+    gate.pauses.fetch_add(1, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    #[test]
+    fn without_a_gate_nothing_pauses() {
+        let t = Instant::now();
+        for _ in 0..1000 {
+            give_way();
+        }
+        assert!(t.elapsed() < MAX_PAUSE);
+    }
+
+    /// A thread waits while its gate is shut, and goes on once it opens; a thread it starts
+    /// with the gate waits too.
+    #[test]
+    fn a_shut_gate_holds_until_it_opens() {
+        let busy = Arc::new(AtomicBool::new(true));
+        let b = busy.clone();
+        let gate = Gate::new(move || b.load(Ordering::Relaxed));
+        let g = gate.clone();
+        let h = std::thread::spawn(move || {
+            install(Some(g));
+            let inherited = current();
+            std::thread::spawn(move || {
+                install(inherited);
+                give_way();
+            })
+            .join()
+            .unwrap();
+        });
+        std::thread::sleep(Duration::from_millis(10));
+        busy.store(false, Ordering::Relaxed);
+        h.join().unwrap();
+        let (waited, pauses) = gate.paused();
+        assert_eq!(pauses, 1);
+        assert!(waited >= Duration::from_millis(5), "{waited:?}");
+    }
+
+    /// A gate that never opens holds each call for at most MAX_PAUSE: the work ends.
+    #[test]
+    fn a_gate_that_stays_shut_holds_no_longer_than_max_pause() {
+        let gate = Gate::new(|| true);
+        let g = gate.clone();
+        let took = std::thread::spawn(move || {
+            install(Some(g));
+            let t = Instant::now();
+            give_way();
+            give_way();
+            t.elapsed()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(gate.paused().1, 2);
+        assert!(took >= 2 * MAX_PAUSE, "{took:?}");
+        assert!(took < 2 * MAX_PAUSE + Duration::from_secs(1), "{took:?}");
+    }
+}
