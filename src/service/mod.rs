@@ -147,15 +147,18 @@ pub async fn serve(
     }
 }
 
-/// Open the engine (manifest, outputs, featuriser) while the watches are set up, and start
-/// listing the tree for the first comparison with the manifest once they are (so that nothing
-/// falls between the two). The three are the start-up's longest steps on a large tree; the
-/// service takes new recordings as soon as the engine is open, while the listing goes on (the
-/// start-up comparison waits for it). A full or failing disk does not stop the service from
-/// starting (the engine's error goes to the worker, which says so and retries); anything else
-/// (outputs of other feature settings, say) is an error. A listing that fails is made again, and
-/// its error reported, by the rescan.
-type Started = (anyhow::Result<Engine>, Watcher, Option<worker::Listing>);
+/// Open the engine (manifest, outputs, featuriser) while the watches are set up and the tree
+/// is listed for the first comparison with the manifest: the three are the start-up's longest
+/// steps on a large tree, and only the listing needs another (the watches, so that nothing falls
+/// between the two). A full or failing disk does not stop the service from starting (the
+/// engine's error goes to the worker, which says so and retries); anything else (outputs of
+/// other feature settings, say) is an error. A listing that fails is made again, and its error
+/// reported, by the rescan.
+type Started = (
+    anyhow::Result<Engine>,
+    Watcher,
+    Option<Vec<crate::source::Found>>,
+);
 
 fn open_and_watch(
     settings: &Settings,
@@ -165,7 +168,18 @@ fn open_and_watch(
     let (engine, watcher, listed) = std::thread::scope(|scope| {
         let engine = scope.spawn(|| Engine::open_live(settings, settings.ingest.device));
         let watcher = Watcher::start(root, watch_tx);
-        let listed = watcher.is_ok().then(|| list_on_a_thread(root)).flatten();
+        let t = Instant::now();
+        let listed = watcher
+            .is_ok()
+            .then(|| crate::source::scan(root).ok())
+            .flatten();
+        if let Some(found) = &listed {
+            log::debug!(
+                "start: {} paths listed in {:.0} ms, beside the engine's opening",
+                found.len(),
+                t.elapsed().as_secs_f64() * 1e3
+            );
+        }
         let engine = engine.join().expect("opening the engine panicked");
         (engine, watcher, listed)
     });
@@ -174,25 +188,6 @@ fn open_and_watch(
         other => other,
     };
     Ok((engine, watcher?, listed))
-}
-
-/// The start-up's listing of the tree, on a thread of its own (None: it could not start; the
-/// rescan lists the tree itself).
-fn list_on_a_thread(root: &Path) -> Option<worker::Listing> {
-    let root = root.to_path_buf();
-    let t = Instant::now();
-    let spawned = std::thread::Builder::new()
-        .name("ailhd-list".into())
-        .spawn(move || {
-            let found = crate::source::scan(&root).ok()?;
-            log::debug!(
-                "start: {} paths listed in {:.0} ms, beside the engine's opening",
-                found.len(),
-                t.elapsed().as_secs_f64() * 1e3
-            );
-            Some(found)
-        });
-    spawned.ok()
 }
 
 fn new_settler(settings: &Settings) -> Settler {

@@ -100,7 +100,7 @@ pub(super) struct Worker {
     pub(super) last_work: Instant,
     pub(super) device: String,
     /// The start's listing of the tree, made while the engine opened: the first rescan's.
-    pub(super) listed: Option<Listing>,
+    pub(super) listed: Option<Vec<crate::source::Found>>,
     /// The next rescan is the start's (see [`crate::engine::reconcile_with`]).
     pub(super) start: bool,
 }
@@ -253,8 +253,6 @@ impl Worker {
             .spawn(move || {
                 lower_priority();
                 crate::pace::install(gate.clone());
-                // The start's listing, made since the watches were set up (None: list here).
-                let listed = listed.and_then(|h| h.join().ok()).flatten();
                 // What it finds goes on at once, part by part: new recordings first.
                 let (mut changed, mut gone) = (0, 0);
                 let result = crate::engine::reconcile_with(
@@ -386,7 +384,7 @@ impl Worker {
 impl Worker {
     fn new(
         engine: anyhow::Result<Engine>,
-        listed: Option<Listing>,
+        listed: Option<Vec<crate::source::Found>>,
         settings: Settings,
         report: mpsc::UnboundedSender<Report>,
         shared: Arc<Shared>,
@@ -605,12 +603,9 @@ impl Worker {
 }
 
 /// The worker thread's loop: gather, close batches by the policy, hand them to the engine.
-/// A listing of the tree being made on its own thread since the watches were set up.
-pub(super) type Listing = std::thread::JoinHandle<Option<Vec<crate::source::Found>>>;
-
 pub(super) fn worker_loop(
     engine: anyhow::Result<Engine>,
-    listed: Option<Listing>,
+    listed: Option<Vec<crate::source::Found>>,
     settings: Settings,
     rx: crossbeam_channel::Receiver<Work>,
     report: mpsc::UnboundedSender<Report>,
