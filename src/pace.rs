@@ -6,8 +6,7 @@
 //! beside the ingest path (memory and cache traffic, the kernel's folder and inode work) still
 //! slows a recording committed meanwhile. So its loops call [`give_way`] per item: while the
 //! thread's [`Gate`] says recordings are on their way, it sleeps, for at most [`MAX_PAUSE`] at a
-//! time, so that it always ends. Threads it starts take its gate along ([`current`],
-//! [`install`]).
+//! time, so that it always ends. Threads it starts take its gate along ([`with_this_gate`]).
 //!
 //! Threads without a gate (the start-up comparison, which recordings that arrived while the
 //! service was down wait for; `rebuild`) never pause.
@@ -57,9 +56,17 @@ pub fn install(gate: Option<Arc<Gate>>) {
     CURRENT.with(|c| *c.borrow_mut() = gate);
 }
 
-/// This thread's gate, for a thread it starts to [`install`].
-pub fn current() -> Option<Arc<Gate>> {
+fn current() -> Option<Arc<Gate>> {
     CURRENT.with(|c| c.borrow().clone())
+}
+
+/// `f`, to run on a thread this one starts, under this thread's gate.
+pub fn with_this_gate<T>(f: impl FnOnce() -> T) -> impl FnOnce() -> T {
+    let gate = current();
+    move || {
+        install(gate);
+        f()
+    }
 }
 
 /// Pause while this thread's gate says recordings are on their way (at most [`MAX_PAUSE`]).
@@ -104,13 +111,7 @@ mod tests {
         let g = gate.clone();
         let h = std::thread::spawn(move || {
             install(Some(g));
-            let inherited = current();
-            std::thread::spawn(move || {
-                install(inherited);
-                give_way();
-            })
-            .join()
-            .unwrap();
+            std::thread::spawn(with_this_gate(give_way)).join().unwrap();
         });
         std::thread::sleep(Duration::from_millis(10));
         busy.store(false, Ordering::Relaxed);

@@ -214,11 +214,9 @@ fn new_paths(
                 let from = (j > 0).then(|| found[range.start].rel());
                 let to = (j + 1 < parts.len()).then(|| found[range.end].rel());
                 let range = range.clone();
-                let gate = crate::pace::current();
-                scope.spawn(move || {
-                    crate::pace::install(gate);
+                scope.spawn(crate::pace::with_this_gate(move || {
                     new_paths_in(manifest, found, range, from, to, out)
-                })
+                }))
             })
             .collect();
         handles
@@ -304,9 +302,7 @@ fn changed_or_gone(
     let known = &known;
     std::thread::scope(|scope| {
         for range in ranges(known.len(), threads) {
-            let gate = crate::pace::current();
-            scope.spawn(move || {
-                crate::pace::install(gate);
+            scope.spawn(crate::pace::with_this_gate(move || {
                 let mut folders = FolderStat::new(root);
                 for &(i, size, mtime_ns) in &known[range] {
                     crate::pace::give_way();
@@ -318,7 +314,7 @@ fn changed_or_gone(
                         lock(out).push(|p| p.changed.push(rel.to_string()));
                     }
                 }
-            });
+            }));
         }
     });
 }

@@ -116,9 +116,7 @@ fn scan_folders(folders: &[Deferred], threads: usize) -> Vec<Vec<Found>> {
     let mut lists: Vec<(usize, Vec<Found>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
-                let gate = crate::pace::current();
-                scope.spawn(|| {
-                    crate::pace::install(gate);
+                scope.spawn(crate::pace::with_this_gate(|| {
                     let mut done = Vec::new();
                     loop {
                         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -130,7 +128,7 @@ fn scan_folders(folders: &[Deferred], threads: usize) -> Vec<Vec<Found>> {
                         list.sort_unstable_by(|a, b| a.rel().cmp(b.rel()));
                         done.push((i, list));
                     }
-                })
+                }))
             })
             .collect();
         handles
