@@ -170,7 +170,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             device: d,
             json,
             shard,
-        } => rebuild(&load_settings(&cli)?, d, *json, shard, &ui),
+        } => {
+            ailhd::memory::release_at_once();
+            rebuild(&load_settings(&cli)?, d, *json, shard, &ui)
+        }
         Command::Merge {
             inputs,
             into,

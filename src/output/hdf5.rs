@@ -75,9 +75,13 @@ use std::path::{Path, PathBuf};
 const CHUNK_BYTES: usize = 64 << 10;
 /// Chunk rows cap for the narrow columns (labels, valid...): 4096 rows is 4-32 KiB there.
 const MAX_CHUNK_ROWS: usize = 4096;
-/// Per-dataset raw-data chunk cache. Holds a few chunks, so the partial last chunk of each
-/// dataset stays cached between appends instead of being read back from disk.
-const CHUNK_CACHE_BYTES: usize = 4 << 20;
+/// Per-dataset raw-data chunk cache. Holds a few chunks (16 of the features'), so the partial
+/// last chunk of each dataset stays cached between appends instead of being read back from
+/// disk; chunks once full are evicted first (`w0` = 1). Appends never read a full chunk again,
+/// so a bigger cache only holds written chunks: the 4 MiB this was before filled up as a file
+/// grew (9 datasets a split, 108 MiB in all), and `rebuild` of 221,005 recordings peaked 26 MB
+/// higher (docs/benchmarks.md) for no gain in speed.
+const CHUNK_CACHE_BYTES: usize = 1 << 20;
 const CHUNK_CACHE_SLOTS: usize = 521;
 
 /// Smallest capacity of the `labels_json` / `label2id_json` attributes, in bytes (about 200
