@@ -37,12 +37,13 @@ mod tests {
     fn release_at_once_sets_mimallocs_purge_delay_to_zero() {
         // SAFETY: reading and setting an option touch only mimalloc's own table.
         let get = || unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) };
+        let before = get();
         if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
-            assert_eq!(get(), 1000, "mimalloc's default purge delay");
+            assert_eq!(before, 1000, "mimalloc's default purge delay");
         }
         release_at_once();
         assert_eq!(get(), 0);
-        // SAFETY: as above; the default again for any later test in this process.
-        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 1000) };
+        // SAFETY: as above; the value before again for any later test in this process.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, before) };
     }
 }
