@@ -224,6 +224,8 @@ struct State {
     next_ino: u64,
     next_fh: u64,
     mode: Mode,
+    /// How long a refused `write` takes to answer ([`FaultFs::refuse_slowly`]).
+    refusal: Duration,
     /// The power is off: every operation fails until the cut.
     dead: bool,
     /// The power goes when the sync count reaches this (before that sync takes effect).
@@ -253,6 +255,7 @@ impl State {
             next_ino: 2,
             next_fh: 1,
             mode: Mode::None,
+            refusal: Duration::ZERO,
             dead: false,
             trigger: None,
             generation: 0,
@@ -763,7 +766,9 @@ impl Filesystem for Handler {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        let mut refusal = Duration::ZERO;
         let r = self.lock().and_then(|mut st| {
+            refusal = st.refusal;
             st.may_write()?;
             match &mut st.node_mut(ino.0)?.body {
                 Body::File { cur, .. } => cur.write(offset, data),
@@ -776,7 +781,11 @@ impl Filesystem for Handler {
         });
         match r {
             Ok(()) => reply.written(data.len() as u32),
-            Err(e) => reply.error(e),
+            Err(e) => {
+                // Outside the lock: other requests are served meanwhile.
+                std::thread::sleep(refusal);
+                reply.error(e)
+            }
         }
     }
 
@@ -1112,6 +1121,13 @@ impl FaultFs {
     /// Which operations fail with `EIO` from now on.
     pub fn fail(&self, mode: Mode) {
         self.st().mode = mode;
+    }
+
+    /// From now on a refused `write` answers only after `d`, as a disk that retries before it
+    /// gives up does: meanwhile the kernel's page cache shows readers the refused bytes (see
+    /// tests/power_loss.rs, `failing_disk`), long enough for a test to catch it.
+    pub fn refuse_slowly(&self, d: Duration) {
+        self.st().refusal = d;
     }
 
     pub fn mode(&self) -> Mode {
