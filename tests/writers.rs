@@ -64,6 +64,32 @@ fn signal(child: &Child, sig: i32) {
     assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
 }
 
+/// SIGSTOP, and wait until every thread of `child` has stopped. kill(2) returns before they
+/// do: the thread picked to take the signal may be in an uninterruptible call (an fsync on a
+/// busy disk) for a while, and the others go on working until it takes it (a `rebuild` went on
+/// to its next output meanwhile, in CI).
+fn stop(child: &Child) {
+    signal(child, libc::SIGSTOP);
+    let tasks = PathBuf::from(format!("/proc/{}/task", child.id()));
+    let t = Instant::now();
+    loop {
+        let states: Vec<char> = std::fs::read_dir(&tasks)
+            .unwrap()
+            .filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("stat")).ok())
+            .filter_map(|stat| stat.rsplit_once(')')?.1.trim_start().chars().next())
+            .collect();
+        if !states.is_empty() && states.iter().all(|&c| c == 'T' || c == 't') {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "pid {} did not stop in 60 s (thread states {states:?})",
+            child.id()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// The lock file line "pid role" once the holder has written it.
 fn wait_for_lock(path: &Path, role: &str, child: &mut Child) {
     let t = Instant::now();
@@ -168,7 +194,7 @@ fn a_second_writer_beside_a_running_service_is_refused_and_changes_nothing() {
         std::thread::sleep(Duration::from_millis(50));
     }
     wait_for_lock(&world.out().join(".ailhd.lock"), "run", &mut svc);
-    signal(&svc, libc::SIGSTOP);
+    stop(&svc);
     second_writers_are_refused(&world, &svc, "run");
     signal(&svc, libc::SIGCONT);
     signal(&svc, libc::SIGTERM);
@@ -196,7 +222,7 @@ fn a_second_writer_beside_a_running_rebuild_is_refused_and_changes_nothing() {
         .spawn()
         .unwrap();
     wait_for_lock(&world.out().join(".ailhd.lock"), "rebuild", &mut rebuild);
-    signal(&rebuild, libc::SIGSTOP);
+    stop(&rebuild);
     second_writers_are_refused(&world, &rebuild, "rebuild");
     signal(&rebuild, libc::SIGCONT);
     assert!(rebuild.wait().unwrap().success());
