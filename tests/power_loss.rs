@@ -1400,28 +1400,17 @@ fn a_refused_publish_a_reader_saw_is_redone_when_the_disk_answers() {
                 .unwrap_or(false)
         })
     };
-    let t = Instant::now();
-    while !held(&rig.world.out()) {
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "no batch was held before its publish; log:\n{}",
-            tail(&rig.svc().log(), 25)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let out = rig.world.out();
+    rig.svc()
+        .wait_for("a batch held before its publish", || held(&out));
     // The manifest records the batch a moment after its rows are on disk; then the disk fails.
     std::thread::sleep(Duration::from_millis(500));
     rig.fs.refuse_slowly(Duration::from_millis(300));
     rig.fs.fail(Mode::AllWrites);
-    let t = Instant::now();
-    while !rig.svc().log().contains("writing failed") {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "the publish did not fail; log:\n{}",
-            tail(&rig.svc().log(), 25)
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let svc = rig.svc.as_ref().expect("started above");
+    svc.wait_for_within("the publish to fail", Duration::from_secs(20), || {
+        svc.log().contains("writing failed")
+    });
     std::thread::sleep(Duration::from_millis(500));
     rig.fs.fail(Mode::None);
     rig.fs.refuse_slowly(Duration::ZERO);

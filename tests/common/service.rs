@@ -99,11 +99,16 @@ impl Service {
     }
 
     /// Wait (60 s at most, then fail with the log) until `f` holds.
-    pub fn wait_for(&self, what: &str, mut f: impl FnMut() -> bool) {
+    pub fn wait_for(&self, what: &str, f: impl FnMut() -> bool) {
+        self.wait_for_within(what, Duration::from_secs(60), f)
+    }
+
+    /// Wait (`limit` at most, then fail with the log) until `f` holds.
+    pub fn wait_for_within(&self, what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
         let t = Instant::now();
         while !f() {
             assert!(
-                t.elapsed() < Duration::from_secs(60),
+                t.elapsed() < limit,
                 "timed out waiting for {what}; log:\n{}",
                 self.log()
             );
