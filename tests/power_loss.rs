@@ -1377,7 +1377,9 @@ fn failing_disk(test: &str, mode: Mode, rounds: usize) {
 /// [`failing_disk`]), is published again once the disk answers: the count comes back to what the
 /// reader saw, from the manifest's record, and no row is cut. Made to happen, not waited for: a
 /// fail point holds the first batch between the manifest's flush and the publish while the disk
-/// starts refusing writes, slowly enough for the reader to catch the refused count.
+/// starts refusing writes, slowly enough for the reader to catch the refused count. ailhd_reader
+/// follows the service all along, both sources (its close of a file it only read reports the
+/// service's refused writes through this file system: it must not fail on that).
 #[test]
 #[serial]
 fn a_refused_publish_a_reader_saw_is_redone_when_the_disk_answers() {
@@ -1392,6 +1394,13 @@ fn a_refused_publish_a_reader_saw_is_redone_when_the_disk_answers() {
         "commit-before-publish=1*sleep(3000)",
     ));
     let reader = SwmrReader::start_with(rig.world.out(), Seen::default(), true);
+    // ailhd_reader beside it, as a trainer runs it: its snapshots never shrink, and no read
+    // fails or changes (tests/py/reader_follow.py).
+    let stop = rig.world.dir.path().join("reader_follow.stop");
+    let follow = {
+        let (out, stop) = (rig.world.out(), stop.clone());
+        std::thread::spawn(move || python("reader_follow.py", &[out.as_os_str(), stop.as_os_str()]))
+    };
     // Rows on disk beyond committed_rows: the held batch.
     let held = |out: &Path| -> bool {
         NAMES.iter().any(|n| {
@@ -1420,6 +1429,13 @@ fn a_refused_publish_a_reader_saw_is_redone_when_the_disk_answers() {
     rig.checks.check(r.map(drop));
     std::thread::sleep(Duration::from_millis(200));
     let mut read = reader.finish();
+    std::fs::write(&stop, b"").unwrap();
+    match follow.join() {
+        Ok(text) => println!("power_loss: {test}: {}", text.trim()),
+        Err(_) => rig.checks.fail(format!(
+            "{test}: ailhd_reader failed while following the service (its output is above)"
+        )),
+    }
     reader_report(test, &read, &mut rig.checks);
     let log = rig.svc().log();
     let dips: Vec<_> = read.dips.iter().flatten().collect();

@@ -57,6 +57,12 @@ How it reads, and why:
   `refresh()` starts over on the new files; a key of files this process does not have open, or
   a position in a snapshot of replaced files, raises `OutputsReplaced`. Rows a snapshot saw
   committed that are no longer in the files raise `RowsWithdrawn`.
+- A committed count lower than one seen, in the same files, is waited out (up to `wait_s`): a
+  disk that refuses writes can show readers a publish of `committed_rows` that it then refuses,
+  so the count reads one batch lower until ailhd publishes that batch again (its rows were
+  synced and recorded before; ailhd's docs/operations.md). A read of such rows, a `refresh()`
+  and a worker's catch-up wait for the count to come back; only past `wait_s` are the rows
+  taken as withdrawn.
 """
 
 import collections.abc
@@ -179,9 +185,15 @@ class LiveDataset:
     for a position 0 <= i < len(ds) or a key (`ds.keys`, `LiveSampler`), `ds.labels` (names by
     id), `ds.meta(i)`, `ds.refresh()`; `ds.rows` (row numbers in the files), `ds.targets` (label
     ids) and `ds.keys` of the visible rows.
+
+    `wait_s`: how long a read, a `refresh()` or a worker's catch-up waits when the files count
+    fewer committed rows than this process has seen (a disk refusing writes shows that for a
+    while; the rows come back when ailhd publishes them again) before the rows count as
+    withdrawn (`RowsWithdrawn`, or a smaller snapshot for `refresh()`).
     """
 
-    def __init__(self, output_dir, split="training", source="npy", *, hdf5_name=None, direct=True):
+    def __init__(self, output_dir, split="training", source="npy", *, hdf5_name=None, direct=True,
+                 wait_s=60.0):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
         if source not in SOURCES:
@@ -193,6 +205,7 @@ class LiveDataset:
         self._npy_path = os.path.join(self.output_dir, "npy", split)
         self.path = self._h5_path if source == "hdf5" else self._npy_path
         self._direct_allowed = bool(direct)
+        self._wait_s = float(wait_s)
         # The snapshot: plain data, pickled into worker processes.
         self._committed = 0
         self._valid = np.empty(0, np.uint8)  # the `valid` column of the committed rows
@@ -320,6 +333,8 @@ class LiveDataset:
         if files.identity != self._identity:
             self._forget()
             self._identity = files.identity
+        elif cols["committed"] < self._committed:
+            cols = self._wait_for_count(files, cols)
         committed = cols["committed"]
         valid = (cols["valid"] != 0).view(np.uint8)
         labels = cols["labels"]
@@ -358,6 +373,17 @@ class LiveDataset:
 
     # ----- internals -----
 
+    def _wait_for_count(self, files, cols):
+        """The same files count fewer rows than this snapshot: wait (up to wait_s) until they
+        count them again, then read the columns once more. Past wait_s the lower count stands."""
+        if _wait_for_rows(files, self._committed):
+            cols = files.columns()
+        if cols["committed"] < self._committed:
+            warnings.warn(f"{self.path}: {self._committed} rows were committed, the files now "
+                          f"count {cols['committed']} (after {self._wait_s:g} s); taking the "
+                          "rows past it as withdrawn", stacklevel=4)
+        return cols
+
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_files"] = None
@@ -395,8 +421,19 @@ class LiveDataset:
         refresh and look again. In that process: no (its snapshot changes only when asked)."""
         if os.getpid() == self._home:
             return False
+        # The main process may have seen a count that the files show lower for a while (a disk
+        # refusing writes): look again until wait_s has passed.
+        deadline = time.monotonic() + self._wait_s
+        pause = 0.01
         self._refresh()
-        return done()
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.25)
+            self._refresh()
+        return True
 
     def _close_files(self):
         if self._files is not None and self._pid == os.getpid():
@@ -405,8 +442,11 @@ class LiveDataset:
 
     def _new_files(self, path=None):
         if self.source == "hdf5":
-            return _Hdf5Files(path or self._h5_path, self._npy_path, self._direct_allowed)
-        return _NpyFiles(path or self._npy_path, self._h5_path)
+            files = _Hdf5Files(path or self._h5_path, self._npy_path, self._direct_allowed)
+        else:
+            files = _NpyFiles(path or self._npy_path, self._h5_path)
+        files.wait_s = self._wait_s
+        return files
 
     def _open(self, check=True):
         """This process's files, opened on first use (a DataLoader worker opens its own)."""
@@ -492,6 +532,23 @@ def _json_text(v):
     if isinstance(v, (bytes, np.bytes_)):
         v = bytes(v).rstrip(b"\0").decode("utf-8")
     return json.loads(str(v).rstrip("\0"))
+
+
+def _wait_for_rows(files, need_rows):
+    """Whether the files count need_rows committed rows, looking again for up to files.wait_s
+    while they count fewer (ailhd publishes a batch again when a disk refused its count; files
+    replaced at their path are not waited for)."""
+    deadline = time.monotonic() + files.wait_s
+    pause = 0.01
+    while True:
+        files.catch_up()
+        if files.known_committed >= need_rows:
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0 or not files.same_path():
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.25)
 
 
 def _identity(st):
@@ -643,13 +700,34 @@ def _read_json(path):
     """A JSON file the writer replaces or rewrites: retried while it reads incomplete."""
     last = None
     for _ in range(50):
+        fd = os.open(path, os.O_RDONLY)
         try:
-            with open(path, "rb") as fh:
-                return json.load(fh)
+            return json.loads(_read_all(fd))
         except ValueError as e:
             last = e
             time.sleep(0.01)
+        finally:
+            _close_fd(fd)
     raise ValueError(f"{path}: not valid JSON: {last}")
+
+
+def _read_all(fd):
+    parts = []
+    while True:
+        b = os.read(fd, 1 << 16)
+        if not b:
+            return b"".join(parts)
+        parts.append(b)
+
+
+def _close_fd(fd):
+    """Close a descriptor this reader opened read-only. An error from close() says nothing of
+    what was read (a FUSE or network file system reports there a write of the file that failed in
+    another process, the service's on a failing disk), so it is not raised."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _npy_committed(folder):
@@ -781,7 +859,7 @@ def _npy_header(path, fd=None):
             last = raw
     finally:
         if own:
-            os.close(fd)
+            _close_fd(fd)
     raise ValueError(f"{path}: the header keeps changing")
 
 
@@ -797,12 +875,14 @@ def _npy_read_rows(path, start, count):
         got = len(raw) // row_bytes if row_bytes else 0
         return np.frombuffer(raw[: got * row_bytes], dtype).reshape((got,) + shape), rows
     finally:
-        os.close(fd)
+        _close_fd(fd)
 
 
 class _NpyFiles:
     """One process's view of `npy/<split>/`: segments_mel.npy open for gathers; the other
     columns read with pread when needed."""
+
+    wait_s = 0.0  # (set by LiveDataset: see _wait_for_rows)
 
     def __init__(self, path, h5_path):
         self.path = path
@@ -832,7 +912,7 @@ class _NpyFiles:
         self.data.close()
         self.other.close()
         if self.fd is not None:
-            os.close(self.fd)
+            _close_fd(self.fd)
             self.fd = None
 
     def _committed(self):
@@ -878,12 +958,11 @@ class _NpyFiles:
 
     def ensure(self, need_rows):
         """At least need_rows committed rows (catching up when this process knows fewer)."""
-        if need_rows > self.known_committed:
-            self.catch_up()
-            if need_rows > self.known_committed:
-                raise RowsWithdrawn(
-                    f"{self.path}: row {need_rows - 1} asked for, but the files commit only "
-                    f"{self.known_committed} rows (were rows taken back after a crash?)")
+        if need_rows > self.known_committed and not _wait_for_rows(self, need_rows):
+            raise RowsWithdrawn(
+                f"{self.path}: row {need_rows - 1} asked for, but the files commit only "
+                f"{self.known_committed} rows after {self.wait_s:g} s (were rows taken back "
+                "after a crash?)")
 
     def gather(self, rows):
         offs = self.header_len + rows * self.row_bytes
@@ -891,8 +970,7 @@ class _NpyFiles:
                                 rows >= self.settled, pre_pread=lambda: self._still_committed(rows))
 
     def _still_committed(self, rows):
-        committed, _ = self.catch_up()
-        if int(rows.max()) >= committed:
+        if not _wait_for_rows(self, int(rows.max()) + 1):
             raise RowsWithdrawn(f"{self.path}: row {int(rows.max())} is no longer committed")
 
     def meta(self, row):
@@ -1103,6 +1181,8 @@ class _Hdf5Files:
     """One process's view of a split's HDF5 file: an h5py SWMR handle, and a descriptor of the
     same file for direct reads of features."""
 
+    wait_s = 0.0  # (set by LiveDataset: see _wait_for_rows)
+
     def __init__(self, path, npy_path, direct=True):
         import h5py
 
@@ -1151,7 +1231,7 @@ class _Hdf5Files:
     def close(self):
         self.data.close()
         if self.fd is not None:
-            os.close(self.fd)
+            _close_fd(self.fd)
             self.fd = None
         if self.f is not None:
             try:
@@ -1651,10 +1731,7 @@ class _Hdf5Files:
                                 rows >= self.settled, self.block,
                                 pre_pread=lambda: self._still_committed(rows))
 
-    def _still_committed(self, rows):
-        committed = self.catch_up()
-        if int(rows.max()) >= committed:
-            raise RowsWithdrawn(f"{self.path}: row {int(rows.max())} is no longer committed")
+    _still_committed = _NpyFiles._still_committed
 
     # Reads through h5py.
 

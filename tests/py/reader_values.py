@@ -1,7 +1,8 @@
 """ailhd_reader on the outputs of `ailhd rebuild`: every split, both sources, equal to h5py's raw
 reads; then on copies made to look like a writer caught mid-commit (rows past committed_rows,
 rows set invalid) that only refresh() may reveal; pickling and worker processes (fork, spawn);
-a replaced output; files cut short below rows a snapshot had (an error, never SIGBUS); batch output buffers reused only when free; ailhd's HDF5 rows gathered as
+a replaced output; files cut short below rows a snapshot had (an error, never SIGBUS); a
+committed count that dips and comes back (waited out) or stays low (withdrawn after wait_s); batch output buffers reused only when free; ailhd's HDF5 rows gathered as
 whole-row blocks (its chunks are aligned to the row size), and a copy without that alignment
 read by the other path (fancy indexing) with the same values; rows appended after a refresh
 found in the file's chunk index (or by guessing and checking, with an older index).
@@ -12,7 +13,10 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import subprocess
 import sys
+import threading
+import time
 import warnings
 
 import h5py
@@ -278,6 +282,126 @@ def cut_short(out, scratch, rng):
             assert os.path.getsize(path) == size
 
 
+def set_committed(d, source, rows):
+    """Make the copy's files count `rows` committed rows, as a reader sees a count refused by a
+    failing disk (npy: attributes.json; HDF5: committed_rows, written by another process without
+    HDF5's locks, as the service writes it)."""
+    if source == "npy":
+        path = os.path.join(d, "npy", "training", "attributes.json")
+        attrs = json.load(open(path))
+        attrs["committed_rows"] = rows
+        with open(path + ".tmp", "w") as fh:
+            json.dump(attrs, fh)
+        os.replace(path + ".tmp", path)
+        return
+    code = ("import h5py, sys\n"
+            "with h5py.File(sys.argv[1], 'r+', locking=False) as f:\n"
+            "    f['committed_rows'][0] = int(sys.argv[2])\n")
+    subprocess.run([sys.executable, "-c", code, os.path.join(d, SPLIT_FILES["training"]),
+                    str(rows)], check=True)
+
+
+def later(seconds, what):
+    """Run what() after `seconds` on a thread; returns the thread."""
+    t = threading.Timer(seconds, what)
+    t.start()
+    return t
+
+
+def timed(what):
+    t0 = time.monotonic()
+    return what(), time.monotonic() - t0
+
+
+def read_item(args):
+    ds, i = args
+    return ds[i][0]
+
+
+def in_worker(ds, i, then, seconds):
+    """ds[i]'s features read in a forked worker process (its own files, opened there), while
+    then() runs on a thread after `seconds`; returns (features, seconds the read took)."""
+    timer = later(seconds, then)
+    with mp.get_context("fork").Pool(1) as pool:
+        pool.map(len, [[]])  # (the worker is up: time only the read)
+        got, took = timed(lambda: pool.map(read_item, [(ds, i)])[0])
+    timer.join()
+    return got, took
+
+
+def count_dip(out, scratch, rng):
+    """A committed count that reads lower than one seen, in the same files (a disk refusing writes
+    shows a reader a publish it then refuses, until the service publishes that batch again): a
+    read of rows past it waits for it to come back, by key and by position, in this process and in
+    a worker whose snapshot is older than the sampler's; refresh() waits too and does not shrink
+    the snapshot. A count that stays lower past `wait_s` raises RowsWithdrawn (refresh(): a
+    smaller snapshot, with a warning)."""
+    d = os.path.join(scratch, "dip")
+    os.makedirs(d)
+    shutil.copy(os.path.join(out, SPLIT_FILES["training"]), os.path.join(d, SPLIT_FILES["training"]))
+    shutil.copytree(os.path.join(out, "npy"), os.path.join(d, "npy"))
+    t = h5_truth(out, "training")
+    n_rows = t["committed"]
+    back = 1.0  # the count comes back after this long
+    for source in ("npy", "hdf5"):
+        ds = LiveDataset(d, "training", source, wait_s=30)
+        n = len(ds)
+        last = int(ds.rows[-1])
+        low = last  # the last visible row is past the lowered count
+        if n < 2 or int(ds.rows[-2]) >= low:
+            fail(f"{source}: the test tree has too few rows for a dip ({n})")
+        key = int(ds.keys[-1])
+        want = t["segments_mel"][last]
+        # A read by key, and by position, in a worker that opens the files while the count is
+        # low: served, after waiting for the count where the worker reads it (npy; an HDF5
+        # worker knows the snapshot's chunks and count, and serves their rows at once).
+        for what, i in (("key", key), ("position", n - 1)):
+            set_committed(d, source, low)
+            got, took = in_worker(ds, i, lambda: set_committed(d, source, n_rows), back)
+            if not same_bits(got, want) or (source == "npy" and took < back * 0.8):
+                fail(f"{source}: a worker's read by {what} during a dip took {took:.2f} s (the "
+                     f"count came back after {back} s) or read other bytes")
+        # refresh() during a dip: waits, and the snapshot keeps its rows.
+        set_committed(d, source, low)
+        later(back, lambda: set_committed(d, source, n_rows))
+        got, took = timed(ds.refresh)
+        if got != 0 or len(ds) != n or took < back * 0.8:
+            fail(f"{source}: refresh() during a dip: {got} new, len {len(ds)} of {n}, took "
+                 f"{took:.2f} s")
+        # A worker whose snapshot was taken at the lower count, asked for a position of the
+        # main process's snapshot (a persistent DataLoader worker after the sampler's refresh)
+        # while the files still read low.
+        set_committed(d, source, low)
+        small = LiveDataset(d, "training", source, wait_s=30)
+        if len(small) >= n:
+            fail(f"{source}: a dataset opened at a count of {low} has {len(small)} rows")
+        got, took = in_worker(small, n - 1, lambda: set_committed(d, source, n_rows), back)
+        if not same_bits(got, want) or took < back * 0.8:
+            fail(f"{source}: a worker asked for a position past its snapshot during a dip took "
+                 f"{took:.2f} s or read other bytes")
+        # The count stays low: rows withdrawn once wait_s has passed.
+        set_committed(d, source, low)
+        ds._wait_s = ds._files.wait_s = 0.5
+        ds._files.known_committed = 0  # (as a process that opens the files now)
+        try:
+            _, took = timed(lambda: ds[key])
+        except RowsWithdrawn as e:
+            print(f"{source}: rows past a count that stayed low refused: {e}")
+        else:
+            fail(f"{source}: a row past a count that stayed low was served")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ds.refresh()
+        if len(ds) != n - 1 or not any("withdrawn" in str(w.message) for w in caught):
+            fail(f"{source}: refresh() after the count stayed low: len {len(ds)} of {n}, "
+                 f"warnings {[str(w.message) for w in caught]}")
+        set_committed(d, source, n_rows)
+        ds._files.close()
+        small._close_files()
+        print(f"{source}: reads and refresh() wait out a count that dips and comes back "
+              f"(1 s); rows withdrawn after wait_s")
+
+
 def reused_outputs(ds, t, what, rng):
     """Batches gathered into reused buffers (npy; HDF5 read by whole blocks): a batch, a row of
     it or a memoryview of it still referred to is never written again; one let go is reused."""
@@ -433,6 +557,7 @@ def main():
     mid_commit_npy(out, scratch, rng)
     replaced(out, scratch, rng)
     cut_short(out, scratch, rng)
+    count_dip(out, scratch, rng)
     t = h5_truth(out, "training")
     reused_outputs(LiveDataset(out, "training", "npy"), t, "npy", rng)
     reused_outputs(LiveDataset(out, "training", "hdf5"), t, "hdf5", rng)
