@@ -60,8 +60,8 @@ How it reads, and why:
 - A committed count lower than one seen, in the same files, is waited out (up to `wait_s`): a
   disk that refuses writes can show readers a publish of `committed_rows` that it then refuses,
   so the count reads one batch lower until ailhd publishes that batch again (its rows were
-  synced and recorded before; ailhd's docs/operations.md). A read of such rows, a `refresh()`
-  and a worker's catch-up wait for the count to come back; only past `wait_s` are the rows
+  synced and recorded before; ailhd's docs/operations.md). A read of such rows (`meta()` too), a
+  `refresh()` and a worker's catch-up wait for the count to come back; only past `wait_s` are the rows
   taken as withdrawn.
 """
 
@@ -974,11 +974,21 @@ class _NpyFiles:
             raise RowsWithdrawn(f"{self.path}: row {int(rows.max())} is no longer committed")
 
     def meta(self, row):
+        """Row `row` of each metadata column; a column whose header counts fewer rows (a
+        publish a failing disk refused) is read again for up to wait_s (see _wait_for_rows)."""
         out = {}
+        deadline = time.monotonic() + self.wait_s
         for c in META_COLUMNS:
-            vals, rows = _npy_read_rows(os.path.join(self.path, c + ".npy"), row, 1)
-            if len(vals) != 1:
-                raise RowsWithdrawn(f"{self.path}/{c}.npy: no row {row} (holds {rows})")
+            pause = 0.01
+            while True:
+                vals, rows = _npy_read_rows(os.path.join(self.path, c + ".npy"), row, 1)
+                if len(vals) == 1:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.same_path():
+                    raise RowsWithdrawn(f"{self.path}/{c}.npy: no row {row} (holds {rows})")
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.25)
             out[c] = vals[0]
         return out
 

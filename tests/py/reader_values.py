@@ -23,7 +23,7 @@ import h5py
 import numpy as np
 
 from ailhd_reader import LiveDataset, OutputsReplaced, RowsWithdrawn
-from reader_util import SPLIT_FILES, check_dataset, fail, h5_truth, same_bits
+from reader_util import SPLIT_FILES, check_dataset, fail, h5_truth, same_bits, text
 
 GHOST = 7.0  # the value of the rows a "writer" appended past committed_rows
 
@@ -379,6 +379,16 @@ def count_dip(out, scratch, rng):
         if not same_bits(got, want) or took < back * 0.8:
             fail(f"{source}: a worker asked for a position past its snapshot during a dip took "
                  f"{took:.2f} s or read other bytes")
+        # meta() of that row while a metadata column's npy header counts fewer rows (npy: the
+        # headers are written by the same publish; HDF5's metadata is not).
+        if source == "npy":
+            col = os.path.join(d, "npy", "training", "source_path.npy")
+            npy_set_rows(col, low)
+            later(back, lambda: npy_set_rows(col, n_rows))
+            got, took = timed(lambda: ds.meta(key))
+            if got["source_path"] != text(t["source_path"][last]) or took < back * 0.8:
+                fail(f"npy: meta() during a dip of a column's header took {took:.2f} s or read "
+                     f"{got['source_path']!r}")
         # The count stays low: rows withdrawn once wait_s has passed.
         set_committed(d, source, low)
         ds._wait_s = ds._files.wait_s = 0.5
