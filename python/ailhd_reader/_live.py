@@ -423,17 +423,11 @@ class LiveDataset:
             return False
         # The main process may have seen a count that the files show lower for a while (a disk
         # refusing writes): look again until wait_s has passed.
-        deadline = time.monotonic() + self._wait_s
-        pause = 0.01
-        self._refresh()
-        while not done():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.25)
+        def refreshed():
             self._refresh()
-        return True
+            return done()
+
+        return _poll(refreshed, time.monotonic() + self._wait_s)
 
     def _close_files(self):
         if self._files is not None and self._pid == os.getpid():
@@ -534,21 +528,28 @@ def _json_text(v):
     return json.loads(str(v).rstrip("\0"))
 
 
+def _poll(attempt, deadline, give_up=lambda: False):
+    """Whether attempt() succeeds before time.monotonic() reaches deadline: tried at once, then
+    again after pauses of 10 ms doubling up to 250 ms, until give_up() says it never will."""
+    pause = 0.01
+    while not attempt():
+        left = deadline - time.monotonic()
+        if left <= 0 or give_up():
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.25)
+    return True
+
+
 def _wait_for_rows(files, need_rows):
     """Whether the files count need_rows committed rows, looking again for up to files.wait_s
     while they count fewer (ailhd publishes a batch again when a disk refused its count; files
     replaced at their path are not waited for)."""
-    deadline = time.monotonic() + files.wait_s
-    pause = 0.01
-    while True:
+    def counted():
         files.catch_up()
-        if files.known_committed >= need_rows:
-            return True
-        left = deadline - time.monotonic()
-        if left <= 0 or not files.same_path():
-            return False
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, 0.25)
+        return files.known_committed >= need_rows
+
+    return _poll(counted, time.monotonic() + files.wait_s, lambda: not files.same_path())
 
 
 def _identity(st):
@@ -979,17 +980,15 @@ class _NpyFiles:
         out = {}
         deadline = time.monotonic() + self.wait_s
         for c in META_COLUMNS:
-            pause = 0.01
-            while True:
-                vals, rows = _npy_read_rows(os.path.join(self.path, c + ".npy"), row, 1)
-                if len(vals) == 1:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0 or not self.same_path():
-                    raise RowsWithdrawn(f"{self.path}/{c}.npy: no row {row} (holds {rows})")
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 0.25)
-            out[c] = vals[0]
+            read = []
+
+            def one():
+                read[:] = _npy_read_rows(os.path.join(self.path, c + ".npy"), row, 1)
+                return len(read[0]) == 1
+
+            if not _poll(one, deadline, lambda: not self.same_path()):
+                raise RowsWithdrawn(f"{self.path}/{c}.npy: no row {row} (holds {read[1]})")
+            out[c] = read[0][0]
         return out
 
 
