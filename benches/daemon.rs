@@ -8,6 +8,8 @@
 //!
 //! cargo bench --bench daemon [-- STREAM_FILES BURST_FILES]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -69,14 +71,7 @@ fn proc_cpu_secs(pid: u32) -> f64 {
 }
 
 fn rss_mb(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|k| k.parse::<f64>().ok())
-        .map(|kb| kb / 1024.0)
-        .unwrap_or(f64::NAN)
+    common::status_mb(&pid.to_string(), "VmRSS")
 }
 
 fn clip(i: usize, seed: u64) -> Vec<u8> {

@@ -17,6 +17,8 @@
 //!
 //! usage: cargo bench --bench manifest_space [-- N]   (default N = 200000)
 
+mod common;
+
 use ailhd::engine::manifest::{ContentRecord, FileRecord, Manifest, ManifestBatch, RowRef};
 use std::path::Path;
 use std::time::Instant;
@@ -27,12 +29,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc; // (the service's alloca
 /// This process's resident memory in MB, after handing freed pages back.
 fn rss_mb() -> f64 {
     ailhd::memory::release_free_memory();
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
+    common::status_mb("self", "VmRSS")
 }
 
 /// Resident memory (MB) and seconds of each pass over a manifest written in bulk.

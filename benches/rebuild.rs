@@ -18,6 +18,8 @@
 //! 4, 8 and 16 cores with the stage that would cap it. Run it under `taskset -c 0-3` etc. to
 //! measure core scaling (the engine sizes its threads from the cores it may use).
 
+mod common;
+
 use ailhd::config::{DeviceChoice, FeatureShape, Settings};
 use ailhd::decode::Waveform;
 use ailhd::features::Featuriser;
@@ -26,14 +28,7 @@ use half::f16;
 use std::time::Instant;
 
 fn peak_rss_mb() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|k| k.parse::<f64>().ok())
-        .map(|kb| kb / 1024.0)
-        .unwrap_or(f64::NAN)
+    common::status_mb("self", "VmHWM")
 }
 
 fn main() {
