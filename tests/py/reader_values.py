@@ -332,9 +332,9 @@ def in_worker(ds, i, then, seconds):
 def count_dip(out, scratch, rng):
     """A committed count that reads lower than one seen, in the same files (a disk refusing writes
     shows a reader a publish it then refuses, until the service publishes that batch again): a
-    read of rows past it waits for it to come back, by key and by position, in this process and in
-    a worker whose snapshot is older than the sampler's; refresh() waits too and does not shrink
-    the snapshot. A count that stays lower past `wait_s` raises RowsWithdrawn (refresh(): a
+    read of rows past it waits for it to come back, by key and by position, in a worker that opens
+    the files during the dip and in one whose snapshot is older than the sampler's; refresh() and
+    npy's meta() wait too, and the snapshot does not shrink. A count that stays lower past `wait_s` raises RowsWithdrawn (refresh(): a
     smaller snapshot, with a warning)."""
     d = os.path.join(scratch, "dip")
     os.makedirs(d)
