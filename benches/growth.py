@@ -13,7 +13,9 @@ reused by later runs; `--fresh` makes it anew):
    every millisecond) at 100 recordings/s and at 1,000/s, and the service's RSS;
 5. the same at 100/s while the service rescans the whole tree every `--rescan-every` seconds;
 6. a soak at 100/s for `--soak` seconds: RSS sampled every 10 s after a warm-up;
-7. SIGKILL, restart -> a new recording's row seen.
+7. SIGKILL, restart -> a new recording's row seen;
+8. at rest: the restarted service idle for 2 s closes its files and the manifest
+   (`idle_close_s`): its RSS then, and the first recording after that (the files reopened).
 
 Each run adds a few thousand recordings to the prepared trees (N grows a little: the table
 says how many were ingested before each run).
@@ -195,6 +197,34 @@ def start_probe(site, reader, tag, label="LEAK", extra_env=None):
     return svc, ((seen - t0) * 1e3 if seen else float("nan"))
 
 
+IDLE_CLOSE_S = 2
+
+
+def idle_closes(site):
+    """How many idle closes the service's log holds so far."""
+    site.log.flush()
+    with open(os.path.join(site.d, "run.log"), errors="replace") as f:
+        return f.read().count("outputs closed")
+
+
+def at_rest(site, reader, svc, closes_before):
+    """The service at rest: once idle for IDLE_CLOSE_S it closes its files and the manifest.
+    Its RSS then, and what the first recording after that waits (the files reopened)."""
+    end = time.monotonic() + 60
+    while idle_closes(site) <= closes_before and time.monotonic() < end:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    rss = proc_kb(svc.pid) / 1024
+    serial, body = site.next_body()
+    rel = f"LEAK/S000~rest{serial}~20250118120530~100.wav"
+    placed = site.place(rel, body)
+    seen = reader.wait_for(rel)
+    return {
+        "RSS at rest (idle close) MB": rss,
+        "first recording after the idle close ms": (seen - placed) * 1e3 if seen else float("nan"),
+    }
+
+
 def prepare(d, n, binary, fresh):
     made = {}
     if fresh and os.path.exists(d):
@@ -273,7 +303,10 @@ def one_size(a, n):
         never += rr["never seen"]
 
     site.stop(svc, signal.SIGKILL)
-    svc, res["after SIGKILL: exec -> new row ms"] = start_probe(site, reader, "killed", "NORMAL")
+    closes = idle_closes(site)
+    svc, res["after SIGKILL: exec -> new row ms"] = start_probe(
+        site, reader, "killed", "NORMAL", {"AILHD_INGEST__IDLE_CLOSE_S": str(IDLE_CLOSE_S)})
+    res.update(at_rest(site, reader, svc, closes))
     site.stop(svc)
     reader.close()
     res["never seen"] = never

@@ -139,8 +139,9 @@ impl ManifestBatch {
 static CACHE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(4 << 20);
 
 /// The memory a manifest opened from now on may keep as a cache of its records
-/// (`ingest.manifest_cache_mb`). sled's own bookkeeping comes on top: about 0.4 KB per record
-/// (docs/benchmarks.md).
+/// (`ingest.manifest_cache_mb`). sled's own bookkeeping comes on top: a structure per page of the
+/// open manifest, and up to ~35 MB of pages read by a pass over the records whatever this cache
+/// (docs/operations.md, "Start-up, rescans, one writer, a lost state").
 pub fn set_cache_mb(mb: u64) {
     CACHE_BYTES.store(mb.max(1) << 20, Ordering::Relaxed);
 }
