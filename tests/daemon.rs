@@ -582,6 +582,76 @@ fn a_recording_arriving_during_the_start_up_rescan_is_ingested_at_once() {
     compare_with_rebuild(&world);
 }
 
+/// Idle for `idle_close_s` while a rescan runs, the service does not wait for the rescan to
+/// close its files: a recording that arrives meanwhile is committed at once.
+#[test]
+#[serial]
+fn the_idle_close_does_not_hold_recordings_behind_a_running_rescan() {
+    let world = World::new(&format!("{FAST}idle_close_s = 1\n"));
+    let rec = world.rec();
+    // In the tree before the start: only the start-up rescan finds it, once its sleep ends.
+    write_via_rename(
+        &rec,
+        "LEAK/S001~R1~20250118120530~100.wav",
+        &clip_wav("LEAK", 910),
+    );
+    let svc = Service::start_failing(&world, "reconcile-listed=1*sleep(10000)");
+    // Idle past idle_close_s while the rescan sleeps.
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    write_via_rename(
+        &rec,
+        "NORMAL/S002~R2~20250118120530~100.wav",
+        &clip_wav("NORMAL", 911),
+    );
+    svc.wait("the new recording committed", |s| committed(s) >= 1);
+    // Had the new recording waited for the rescan, the rescan's own would follow at once.
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    let snap = svc.snapshot().expect("a status snapshot");
+    assert_eq!(
+        committed(&snap),
+        1,
+        "the new recording was committed only once the rescan ended: {snap}"
+    );
+    svc.wait("the rescan's recording committed too", |s| {
+        committed(s) == 2
+    });
+    let log = svc.terminate();
+    assert!(
+        log.contains("outputs closed"),
+        "the idle close still happens: {log}"
+    );
+    compare_with_rebuild(&world);
+}
+
+/// A stop does not wait for a long comparison of the tree with the manifest: it is called off
+/// (the next start compares again), and the service exits cleanly at once.
+#[test]
+#[serial]
+fn a_stop_calls_off_a_running_rescan() {
+    let world = World::new(FAST);
+    write_via_rename(
+        &world.rec(),
+        "LEAK/S001~R1~20250118120530~100.wav",
+        &clip_wav("LEAK", 920),
+    );
+    // The start's comparison takes 60 s, as one of a very large tree could.
+    let svc = Service::start_failing(&world, "reconcile-hold=1*return(60000)");
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let t = std::time::Instant::now();
+    let log = svc.terminate();
+    let took = t.elapsed();
+    assert!(
+        took < std::time::Duration::from_secs(20),
+        "the stop waited {took:?} for the rescan; log:\n{log}"
+    );
+    assert!(log.contains("rescan called off"), "{log}");
+    // What it did not look at, the next start finds.
+    let svc = Service::start(&world);
+    svc.wait("the recording committed", |s| committed(s) == 1);
+    svc.terminate();
+    compare_with_rebuild(&world);
+}
+
 #[test]
 #[serial]
 fn an_unreadable_manifest_is_set_aside_and_rebuilt_from_the_outputs() {

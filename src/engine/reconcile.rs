@@ -100,6 +100,18 @@ pub fn reconcile_with(
     let root = &settings.paths.recordings;
     // Test builds: a sleep here holds a rescan (tests/daemon.rs ingests beside it).
     fail::fail_point!("reconcile-listed", |_| Ok(()));
+    // Test builds: `reconcile-hold=return(MS)` holds it that long as a long comparison would,
+    // giving way and ending once called off (tests/daemon.rs stops the service meanwhile).
+    fail::fail_point!("reconcile-hold", |ms: Option<String>| {
+        let hold = std::time::Duration::from_millis(ms.and_then(|m| m.parse().ok()).unwrap_or(0));
+        let t = Instant::now();
+        while t.elapsed() < hold {
+            crate::pace::give_way();
+            crate::pace::go_on()?;
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        Ok(())
+    });
     let started = Instant::now();
     let took = || format!("{:.0} ms", started.elapsed().as_secs_f64() * 1e3);
     let found = match listed {
@@ -110,6 +122,7 @@ pub fn reconcile_with(
             found
         }
     };
+    crate::pace::go_on()?;
     let out = Mutex::new(Emitter {
         part: Reconciliation::default(),
         // The first finding goes on at once.
@@ -121,6 +134,7 @@ pub fn reconcile_with(
     let threads = if start { threads_for(found.len()) } else { 1 };
     let (known, unlisted) = new_paths(manifest, &found, threads, &out)?;
     lock(&out).flush(true);
+    crate::pace::go_on()?;
     log::debug!(
         "rescan: new paths handed on after {} on {threads} threads",
         took()
@@ -128,11 +142,13 @@ pub fn reconcile_with(
     changed_or_gone(root, &found, known, threads, &out);
     for rel in unlisted {
         crate::pace::give_way();
+        crate::pace::go_on()?;
         if std::fs::symlink_metadata(root.join(&rel)).is_err() {
             lock(&out).push(|p| p.removed.push(rel));
         }
     }
     lock(&out).flush(true);
+    crate::pace::go_on()?;
     log::debug!("rescan: changed and gone handed on after {}", took());
     if start {
         let mut out = lock(&out);
@@ -168,7 +184,12 @@ impl Emitter<'_> {
         self.flush(false);
     }
 
+    /// Hand on the part if it is due. Nothing is handed on once the comparison is called off:
+    /// whoever called it off is closing the manifest.
     fn flush(&mut self, force: bool) {
+        if crate::pace::called_off() {
+            return;
+        }
         let p = &self.part;
         let any = !p.changed.is_empty() || !p.removed.is_empty() || !p.rejected.is_empty();
         if any && (force || self.last.elapsed() >= RECONCILE_REPORT_EVERY) {
@@ -247,6 +268,7 @@ fn new_paths_in(
     let mut records = manifest.files_between(from, to).peekable();
     for (i, item) in found.iter().enumerate().take(range.end).skip(range.start) {
         crate::pace::give_way();
+        crate::pace::go_on()?;
         let rel = item.rel();
         // Records before this path are not listed: gone, or recorded after the listing. An
         // error is taken too, and returned.
@@ -306,6 +328,9 @@ fn changed_or_gone(
                 let mut folders = FolderStat::new(root);
                 for &(i, size, mtime_ns) in &known[range] {
                     crate::pace::give_way();
+                    if crate::pace::called_off() {
+                        break;
+                    }
                     let rel = found[i as usize].rel();
                     let Some(now) = folders.stat(rel) else {
                         continue; // gone since the listing: the watcher reports it
@@ -326,6 +351,7 @@ fn rows_to_remake(
     out: &mut Emitter,
 ) -> anyhow::Result<()> {
     for item in manifest.contents() {
+        crate::pace::go_on()?;
         let (_, c) = item?;
         if let (None, Some(owner)) = (c.row, c.owner()) {
             if found
@@ -386,6 +412,33 @@ mod tests {
         t.set_len(t.metadata().unwrap().len() + 2).unwrap();
         std::fs::remove_file(s.paths.recordings.join(&recorded[4])).unwrap();
         (dir, s, engine, recorded, new)
+    }
+
+    /// Called off (the service is closing the manifest), the comparison hands nothing on and
+    /// says so; the same comparison let run finds what the tree holds.
+    #[test]
+    fn a_called_off_comparison_hands_nothing_on() {
+        let (_dir, s, engine, _recorded, new) = changed_while_stopped();
+        let gate = crate::pace::Gate::new(|| false);
+        gate.call_off();
+        let g = gate.clone();
+        let (parts, result) = std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    crate::pace::install(Some(g));
+                    let mut parts = Vec::new();
+                    let r =
+                        reconcile_with(&s, engine.manifest(), None, false, &mut |p| parts.push(p));
+                    (parts, r)
+                })
+                .join()
+                .unwrap()
+        });
+        let e = result.expect_err("called off");
+        assert!(e.is::<crate::pace::CalledOff>(), "{e:#}");
+        assert!(parts.is_empty(), "handed on: {:?}", parts.len());
+        let all = reconcile(&s, engine.manifest()).unwrap();
+        assert!(new.iter().all(|p| all.changed.contains(p)));
     }
 
     /// The comparison with the manifest hands on new paths before it looks at any recorded

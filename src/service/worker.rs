@@ -77,8 +77,9 @@ pub(super) struct Worker {
     /// The last status snapshot could not be written to the state folder (warned once).
     pub(super) snapshot_failing: bool,
     /// The comparison of the tree with the manifest, running beside the ingest on a thread of
-    /// its own (start-up, periodic rescans): new recordings are taken meanwhile.
-    pub(super) reconciling: Option<std::thread::JoinHandle<()>>,
+    /// its own (start-up, periodic rescans): new recordings are taken meanwhile. With the gate
+    /// it gives way at, through which it is called off.
+    pub(super) reconciling: Option<(std::thread::JoinHandle<()>, Arc<crate::pace::Gate>)>,
     /// A rescan was asked for while one ran: run another when it ends.
     pub(super) rescan_again: bool,
     /// When the disk was last probed while writing failed.
@@ -228,7 +229,7 @@ impl Worker {
     /// by the same rules as the watcher's events. One at a time: asked again meanwhile, it runs
     /// again once this one ends.
     fn start_reconcile(&mut self) {
-        if self.reconciling.as_ref().is_some_and(|h| !h.is_finished()) {
+        if self.rescanning() {
             self.rescan_again = true;
             return;
         }
@@ -243,16 +244,19 @@ impl Worker {
         let listed = self.listed.take();
         let start = std::mem::take(&mut self.start);
         // A periodic rescan gives way to recordings on their way; the start's does not (those
-        // that arrived while the service was down wait for it).
-        let gate = (!start).then(|| {
+        // that arrived while the service was down wait for it). Either can be called off.
+        let gate = if start {
+            crate::pace::Gate::new(|| false)
+        } else {
             let shared = self.shared.clone();
             crate::pace::Gate::new(move || shared.busy())
-        });
+        };
+        let kept = gate.clone();
         let spawned = std::thread::Builder::new()
             .name("ailhd-rescan".into())
             .spawn(move || {
                 lower_priority();
-                crate::pace::install(gate.clone());
+                crate::pace::install(Some(gate.clone()));
                 // What it finds goes on at once, part by part: new recordings first.
                 let (mut changed, mut gone) = (0, 0);
                 let result = crate::engine::reconcile_with(
@@ -271,12 +275,16 @@ impl Worker {
                         if changed > 0 || gone > 0 {
                             log::info!("rescan: {changed} new or changed, {gone} gone");
                         }
-                        if let Some((paused, pauses)) = gate.map(|g| g.paused()) {
+                        if !start {
+                            let (paused, pauses) = gate.paused();
                             log::debug!(
                                 "rescan: gave way to recordings {pauses} times, {:.0} ms in all",
                                 paused.as_secs_f64() * 1e3
                             );
                         }
+                    }
+                    Err(e) if e.is::<crate::pace::CalledOff>() => {
+                        log::info!("rescan called off (the manifest is being closed): the next comparison covers what it had not looked at");
                     }
                     Err(e) => {
                         log::error!("rescan failed: {e:#}");
@@ -287,14 +295,27 @@ impl Worker {
                 crate::memory::release_free_memory();
             });
         match spawned {
-            Ok(h) => self.reconciling = Some(h),
+            Ok(h) => self.reconciling = Some((h, kept)),
             Err(e) => log::error!("rescan failed: cannot start its thread: {e}"),
         }
     }
 
-    /// Wait for a running rescan (before the manifest is closed).
+    fn rescanning(&self) -> bool {
+        self.reconciling
+            .as_ref()
+            .is_some_and(|(h, _)| !h.is_finished())
+    }
+
+    /// End a running rescan (before the manifest is closed): call it off and wait for it. Let
+    /// run, it could take long: a periodic rescan gives way to recordings, and those would wait
+    /// for this thread. What it has not looked at, the next comparison does (the recovery's
+    /// after a failure, the next start's after a stop).
     fn end_reconcile(&mut self) {
-        if let Some(h) = self.reconciling.take() {
+        if let Some((h, gate)) = self.reconciling.take() {
+            if !h.is_finished() {
+                log::debug!("calling off the running rescan");
+                gate.call_off();
+            }
             let _ = h.join();
         }
     }
@@ -441,10 +462,7 @@ impl Worker {
         self.shared
             .in_flight
             .store(self.in_flight(), Ordering::Relaxed);
-        if self.rescan_again
-            && self.fault.is_none()
-            && self.reconciling.as_ref().is_none_or(|h| h.is_finished())
-        {
+        if self.rescan_again && self.fault.is_none() && !self.rescanning() {
             self.start_reconcile();
         }
         let due = match &mut self.fault {
@@ -544,8 +562,12 @@ impl Worker {
             crate::memory::release_free_memory();
         }
         let idle_close = self.settings.ingest.idle_close_s;
+        // The manifest closes with the files, so a running rescan would have to end first:
+        // waiting for it here would hold every recording that arrives meanwhile (seconds at a
+        // few hundred thousand recordings). Close once it is done (this runs every second).
         if self.engine.is_some()
             && idle_close > 0
+            && !self.rescanning()
             && self.last_work.elapsed() >= Duration::from_secs(idle_close)
         {
             self.close_idle();

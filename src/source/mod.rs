@@ -160,6 +160,9 @@ fn scan_folder(
     let base = rel.len();
     for entry in entries {
         crate::pace::give_way();
+        if crate::pace::called_off() {
+            return; // the comparison that asked for this listing ends without it
+        }
         let entry = match entry {
             Ok(e) => e,
             Err(e) => {
