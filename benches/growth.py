@@ -18,10 +18,12 @@ reused by later runs; `--fresh` makes it anew):
    (`idle_close_s`): its RSS then, and the first recording after that (the files reopened).
 
 Each run adds a few thousand recordings to the prepared trees (N grows a little: the table
-says how many were ingested before each run).
+says how many were ingested before each run). A prepared tree that has grown past
+`--max-growth` times its N is made anew before it is measured, so that the sizes compared stay
+the sizes asked for.
 
 usage: python3 benches/growth.py BIN [--sizes 5000 200000] [--data DIR] [--seconds 20]
-       [--soak 300] [--rescan-every 5] [--starts 3] [--fresh]
+       [--soak 300] [--rescan-every 5] [--starts 3] [--fresh] [--max-growth 1.1]
 """
 import argparse
 import os
@@ -225,8 +227,14 @@ def at_rest(site, reader, svc, closes_before):
     }
 
 
-def prepare(d, n, binary, fresh):
+def prepare(d, n, binary, fresh, max_growth):
     made = {}
+    if not fresh and max_growth > 0 and os.path.exists(os.path.join(d, "prepared")):
+        held = sum(len(os.listdir(os.path.join(d, "rec", label))) for label in LABELS)
+        if held > max_growth * n:
+            print(f"# the tree for {n:,} holds {held:,} recordings (earlier runs added them): "
+                  "made anew", flush=True)
+            fresh = True
     if fresh and os.path.exists(d):
         shutil.rmtree(d)
     if not os.path.exists(os.path.join(d, "prepared")):
@@ -247,7 +255,7 @@ def prepare(d, n, binary, fresh):
 
 def one_size(a, n):
     d = os.path.join(a.data, f"n{n}")
-    res = prepare(d, n, a.binary, a.fresh)
+    res = prepare(d, n, a.binary, a.fresh, a.max_growth)
     site = Site(d, a.binary)
     res["recordings before this run"] = site.recordings()
     if a.rebuild:
@@ -324,6 +332,8 @@ def main():
     ap.add_argument("--starts", type=int, default=3)
     ap.add_argument("--rebuild", action="store_true", help="rebuild the prepared tree again")
     ap.add_argument("--fresh", action="store_true", help="make the trees anew")
+    ap.add_argument("--max-growth", type=float, default=1.1,
+                    help="make a tree anew once it holds more than this times its N (0: never)")
     a = ap.parse_args()
     a.binary = os.path.abspath(a.binary)
     print(f"# {cpu_model()}, {os.cpu_count()} cores; {a.binary}; data in {a.data}", flush=True)
