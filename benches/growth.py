@@ -122,6 +122,11 @@ class Reader:
             f.close()
 
 
+def recordings_in(rec):
+    """How many recordings a prepared tree holds."""
+    return sum(len(os.listdir(os.path.join(rec, label))) for label in LABELS)
+
+
 class Site:
     """A prepared tree, its outputs and the service's configuration."""
 
@@ -156,7 +161,7 @@ class Site:
         svc.wait(timeout=300)
 
     def recordings(self):
-        return sum(len(os.listdir(os.path.join(self.rec, label))) for label in LABELS)
+        return recordings_in(self.rec)
 
 
 def stream(site, reader, svc, rate, seconds, sample_rss=None):
@@ -230,7 +235,7 @@ def at_rest(site, reader, svc, closes_before):
 def prepare(d, n, binary, fresh, max_growth):
     made = {}
     if not fresh and max_growth > 0 and os.path.exists(os.path.join(d, "prepared")):
-        held = sum(len(os.listdir(os.path.join(d, "rec", label))) for label in LABELS)
+        held = recordings_in(os.path.join(d, "rec"))
         if held > max_growth * n:
             print(f"# the tree for {n:,} holds {held:,} recordings (earlier runs added them): "
                   "made anew", flush=True)

@@ -14,7 +14,7 @@
 //! The work behind a gate can be called off ([`Gate::call_off`]): whoever must wait for it (the
 //! service stopping, or recovering from a failed write) would otherwise wait while it gives way
 //! to recordings that wait in turn, up to [`MAX_PAUSE`] per item. Called off, [`give_way`] no
-//! longer pauses and the work's loops end at their next [`called_off`] check.
+//! longer pauses and returns [`CalledOff`], so the work's loops end at their next item.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -87,26 +87,32 @@ pub fn with_this_gate<T>(f: impl FnOnce() -> T) -> impl FnOnce() -> T {
     }
 }
 
-/// Pause while this thread's gate says recordings are on their way (at most [`MAX_PAUSE`]).
-/// Cheap to call per item: without a gate it does nothing, with one it reads a few atomics.
-pub fn give_way() {
+/// Pause while this thread's gate says recordings are on their way (at most [`MAX_PAUSE`]);
+/// [`CalledOff`] once the work is called off (at once, without pausing). Cheap to call per
+/// item: without a gate it does nothing, with one it reads a few atomics.
+pub fn give_way() -> Result<(), CalledOff> {
     let Some(gate) = current() else {
-        return;
+        return Ok(());
     };
     let off = || gate.off.load(Ordering::Relaxed);
-    if off() || !(gate.busy)() {
-        return;
+    if !off() && (gate.busy)() {
+        let start = Instant::now();
+        while !off() && (gate.busy)() && start.elapsed() < MAX_PAUSE {
+            std::thread::sleep(STEP);
+        }
+        let waited = start.elapsed().as_micros() as u64;
+        gate.paused_us.fetch_add(waited, Ordering::Relaxed);
+        gate.pauses.fetch_add(1, Ordering::Relaxed);
     }
-    let start = Instant::now();
-    while !off() && (gate.busy)() && start.elapsed() < MAX_PAUSE {
-        std::thread::sleep(STEP);
+    if off() {
+        Err(CalledOff)
+    } else {
+        Ok(())
     }
-    let waited = start.elapsed().as_micros() as u64;
-    gate.paused_us.fetch_add(waited, Ordering::Relaxed);
-    gate.pauses.fetch_add(1, Ordering::Relaxed);
 }
 
-/// Whether this thread's work was called off ([`Gate::call_off`]); never without a gate.
+/// Whether this thread's work was called off ([`Gate::call_off`]); never without a gate. For
+/// the checks between the work's phases, where it does not give way.
 pub fn called_off() -> bool {
     current().is_some_and(|g| g.off.load(Ordering::Relaxed))
 }
@@ -128,7 +134,7 @@ mod tests {
     fn without_a_gate_nothing_pauses() {
         let t = Instant::now();
         for _ in 0..1000 {
-            give_way();
+            assert!(give_way().is_ok());
         }
         assert!(t.elapsed() < MAX_PAUSE);
     }
@@ -143,7 +149,10 @@ mod tests {
         let g = gate.clone();
         let h = std::thread::spawn(move || {
             install(Some(g));
-            std::thread::spawn(with_this_gate(give_way)).join().unwrap();
+            std::thread::spawn(with_this_gate(give_way))
+                .join()
+                .unwrap()
+                .unwrap();
         });
         std::thread::sleep(Duration::from_millis(10));
         busy.store(false, Ordering::Relaxed);
@@ -161,8 +170,8 @@ mod tests {
         let took = std::thread::spawn(move || {
             install(Some(g));
             let t = Instant::now();
-            give_way();
-            give_way();
+            give_way().unwrap();
+            give_way().unwrap();
             t.elapsed()
         })
         .join()
@@ -182,8 +191,7 @@ mod tests {
             install(Some(g));
             let mut done = 0;
             for _ in 0..1000 {
-                give_way();
-                if called_off() {
+                if give_way().is_err() {
                     break;
                 }
                 done += 1;

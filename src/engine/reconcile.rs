@@ -106,8 +106,7 @@ pub fn reconcile_with(
         let hold = std::time::Duration::from_millis(ms.and_then(|m| m.parse().ok()).unwrap_or(0));
         let t = Instant::now();
         while t.elapsed() < hold {
-            crate::pace::give_way();
-            crate::pace::go_on()?;
+            crate::pace::give_way()?;
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         Ok(())
@@ -141,8 +140,7 @@ pub fn reconcile_with(
     );
     changed_or_gone(root, &found, known, threads, &out);
     for rel in unlisted {
-        crate::pace::give_way();
-        crate::pace::go_on()?;
+        crate::pace::give_way()?;
         if std::fs::symlink_metadata(root.join(&rel)).is_err() {
             lock(&out).push(|p| p.removed.push(rel));
         }
@@ -267,8 +265,7 @@ fn new_paths_in(
     let mut unlisted: Vec<String> = Vec::new();
     let mut records = manifest.files_between(from, to).peekable();
     for (i, item) in found.iter().enumerate().take(range.end).skip(range.start) {
-        crate::pace::give_way();
-        crate::pace::go_on()?;
+        crate::pace::give_way()?;
         let rel = item.rel();
         // Records before this path are not listed: gone, or recorded after the listing. An
         // error is taken too, and returned.
@@ -327,8 +324,7 @@ fn changed_or_gone(
             scope.spawn(crate::pace::with_this_gate(move || {
                 let mut folders = FolderStat::new(root);
                 for &(i, size, mtime_ns) in &known[range] {
-                    crate::pace::give_way();
-                    if crate::pace::called_off() {
+                    if crate::pace::give_way().is_err() {
                         break;
                     }
                     let rel = found[i as usize].rel();

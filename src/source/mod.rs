@@ -159,8 +159,7 @@ fn scan_folder(
     };
     let base = rel.len();
     for entry in entries {
-        crate::pace::give_way();
-        if crate::pace::called_off() {
+        if crate::pace::give_way().is_err() {
             return; // the comparison that asked for this listing ends without it
         }
         let entry = match entry {
