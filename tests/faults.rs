@@ -195,6 +195,79 @@ fn a_featuriser_failing_mid_run_is_ridden_out_and_nothing_is_lost() {
     compare_with_rebuild(&world);
 }
 
+/// Once writing works again, the service compares the tree with the manifest to take up what
+/// it dropped meanwhile: a comparison that takes seconds at a few hundred thousand recordings.
+/// It runs beside the ingest, so a recording that arrives meanwhile is committed at once.
+#[test]
+#[serial]
+fn the_recovery_takes_new_recordings_while_it_compares_the_tree() {
+    let world = World::new(FAST);
+    // The first batch's featuriser fails; the recovery's comparison (the second one: the
+    // start's is the first) is held 10 s, as one of a very large tree would take.
+    let svc = Service::start_failing(
+        &world,
+        "featurise=1*return(the device is gone);reconcile-listed=1*off->1*sleep(10000)",
+    );
+    add(&world, 0..1);
+    svc.wait("the failure reported", |s| {
+        s["service"]["write_failing"].is_object()
+    });
+    // The retry comes after 1 s: by now the outputs are open again and the comparison runs.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(
+        svc.log().contains("writing works again"),
+        "the recovery waits for its comparison; log:\n{}",
+        svc.log()
+    );
+    add(&world, 1..2);
+    svc.wait_for_within(
+        "the new recording committed while the comparison is held",
+        Duration::from_secs(6),
+        || svc.snapshot().is_some_and(|s| committed(&s) == 1),
+    );
+    // The recording whose batch failed, the comparison finds once it goes on.
+    svc.wait("both committed", |s| committed(s) == 2);
+    let log = svc.terminate();
+    assert!(
+        log.contains("featurising failed, nothing of the batch was recorded")
+            && log.contains("changes seen meanwhile are taken up again")
+            && log.contains("rescan: 1 new or changed"),
+        "{log}"
+    );
+    compare_with_rebuild(&world);
+}
+
+/// A recovery whose comparison fails is no recovery: writing is reported failing again and
+/// the whole recovery is tried again after the backoff, until its comparison succeeds.
+#[test]
+#[serial]
+fn a_recovery_whose_comparison_fails_is_tried_again() {
+    let world = World::new(FAST);
+    let svc = Service::start_failing(
+        &world,
+        "featurise=1*return(the device is gone);reconcile-error=1*off->1*return(the manifest cannot be read)",
+    );
+    add(&world, 0..1);
+    svc.wait("the failure reported", |s| {
+        s["service"]["write_failing"].is_object()
+    });
+    svc.wait_for("the recovery's comparison to fail", || {
+        svc.log().contains("the manifest cannot be read")
+    });
+    add(&world, 1..3);
+    svc.wait("all 3 committed, the failure over", |s| {
+        committed(s) == 3 && s["service"]["write_failing"].is_null()
+    });
+    let log = svc.terminate();
+    assert!(
+        log.contains(
+            "still fails: comparing the tree with the manifest after the recovery: the manifest cannot be read; next try in 2 s"
+        ) && log.matches("writing works again").count() == 2,
+        "{log}"
+    );
+    compare_with_rebuild(&world);
+}
+
 /// Open every split's file as plain (non-SWMR) readers do, with h5py and with HDF5 1.10's
 /// h5dump, and check every dataset has exactly committed_rows rows.
 fn plain_readers_open(world: &World) -> String {

@@ -781,12 +781,8 @@ fn done_of(plan: Plan) -> Done {
 }
 
 impl Engine {
-    /// Compare the tree with the manifest (start-up, lost events, the periodic safety rescan).
-    pub fn reconcile(&self) -> anyhow::Result<Reconciliation> {
-        reconcile(&self.settings, &self.manifest)
-    }
-
-    /// The manifest, for work beside the engine that only reads it ([`reconcile`]).
+    /// The manifest, for work beside the engine that only reads it ([`reconcile_with`]: the
+    /// comparison of the tree with it at start-up, in periodic rescans, after a failure).
     pub fn manifest_handle(&self) -> Arc<Manifest> {
         self.manifest.clone()
     }

@@ -100,6 +100,11 @@ pub fn reconcile_with(
     let root = &settings.paths.recordings;
     // Test builds: a sleep here holds a rescan (tests/daemon.rs ingests beside it).
     fail::fail_point!("reconcile-listed", |_| Ok(()));
+    // Test builds: `reconcile-error=return(WHY)` fails the comparison, as an unreadable
+    // manifest would (tests/faults.rs: the recovery is tried again).
+    fail::fail_point!("reconcile-error", |why: Option<String>| Err(
+        anyhow::anyhow!("{}", why.unwrap_or_default())
+    ));
     // Test builds: `reconcile-hold=return(MS)` holds it that long as a long comparison would,
     // giving way and ending once called off (tests/daemon.rs stops the service meanwhile).
     fail::fail_point!("reconcile-hold", |ms: Option<String>| {

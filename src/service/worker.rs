@@ -62,6 +62,14 @@ fn disk_answers(settings: &Settings) -> bool {
         })
 }
 
+/// A comparison of the tree with the manifest running on a thread of its own, with the gate
+/// it gives way at, which calls it off. Its thread returns the error of a recovery's
+/// comparison that failed (any other says so itself).
+pub(super) struct Rescan {
+    handle: std::thread::JoinHandle<Option<anyhow::Error>>,
+    gate: Arc<crate::pace::Gate>,
+}
+
 /// The ingest worker: drives the engine, closes it when idle, and rides out write failures.
 pub(super) struct Worker {
     pub(super) settings: Settings,
@@ -77,9 +85,11 @@ pub(super) struct Worker {
     /// The last status snapshot could not be written to the state folder (warned once).
     pub(super) snapshot_failing: bool,
     /// The comparison of the tree with the manifest, running beside the ingest on a thread of
-    /// its own (start-up, periodic rescans): new recordings are taken meanwhile. With the gate
-    /// it gives way at, through which it is called off.
-    pub(super) reconciling: Option<(std::thread::JoinHandle<()>, Arc<crate::pace::Gate>)>,
+    /// its own (start-up, periodic rescans, the recovery after a failure): new recordings are
+    /// taken meanwhile.
+    pub(super) reconciling: Option<Rescan>,
+    /// The next comparison is the recovery's after a failure (see `retry`).
+    pub(super) recovering: bool,
     /// A rescan was asked for while one ran: run another when it ends.
     pub(super) rescan_again: bool,
     /// When the disk was last probed while writing failed.
@@ -196,32 +206,28 @@ impl Worker {
     }
 
     /// Reopen after a failure; on success, compare the tree with the manifest, which finds
-    /// every change dropped meanwhile.
+    /// every change dropped meanwhile. The comparison runs beside the ingest, as the start's
+    /// does (seconds at a few hundred thousand recordings): recordings that arrive meanwhile are
+    /// taken at once. Should it fail, writing is taken as failing still (see `tick`).
     fn retry(&mut self) {
-        let result = self.open().and_then(|engine| engine.reconcile());
-        match result {
-            Ok(r) => {
-                if !r.changed.is_empty() || !r.removed.is_empty() {
-                    log::info!(
-                        "rescan: {} new or changed, {} gone",
-                        r.changed.len(),
-                        r.removed.len()
-                    );
-                }
-                let f = self.fault.take().expect("retrying a fault");
-                *self.shared.fault.lock().unwrap_or_else(|p| p.into_inner()) = None;
-                crate::metrics::write_failing(false);
-                log::warn!(
-                    "writing works again after {:.0} s; {} changes seen meanwhile are taken up again",
-                    (now_ms() - f.since_ms) as f64 / 1e3,
-                    self.dropped
-                );
-                self.dropped = 0;
-                let _ = self.report.send(Report::Reconciled(r));
-                self.dirty = true;
-            }
-            Err(e) => self.fail(e),
+        if let Err(e) = self.open() {
+            return self.fail(e);
         }
+        let f = self.fault.take().expect("retrying a fault");
+        *self.shared.fault.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        crate::metrics::write_failing(false);
+        log::warn!(
+            "writing works again after {:.0} s; {} changes seen meanwhile are taken up again (the tree is compared with the manifest)",
+            (now_ms() - f.since_ms) as f64 / 1e3,
+            self.dropped
+        );
+        self.dropped = 0;
+        self.dirty = true;
+        // The whole comparison, as at start (rows to remake included), from a new listing.
+        self.start = true;
+        self.listed = None;
+        self.recovering = true;
+        self.start_reconcile();
     }
 
     /// Compare the tree with the manifest on a thread of its own, at a lower CPU priority,
@@ -243,6 +249,7 @@ impl Worker {
         let report = self.report.clone();
         let listed = self.listed.take();
         let start = std::mem::take(&mut self.start);
+        let recovery = std::mem::take(&mut self.recovering);
         // A periodic rescan gives way to recordings on their way; the start's does not (those
         // that arrived while the service was down wait for it). Either can be called off.
         let gate = if start {
@@ -270,7 +277,7 @@ impl Worker {
                         let _ = report.send(Report::Reconciled(part));
                     },
                 );
-                match result {
+                let failed = match result {
                     Ok(()) => {
                         if changed > 0 || gone > 0 {
                             log::info!("rescan: {changed} new or changed, {gone} gone");
@@ -282,20 +289,29 @@ impl Worker {
                                 paused.as_secs_f64() * 1e3
                             );
                         }
+                        None
                     }
                     Err(e) if e.is::<crate::pace::CalledOff>() => {
                         log::info!("rescan called off (the manifest is being closed): the next comparison covers what it had not looked at");
+                        None
                     }
+                    // The worker retries the recovery, and says so.
+                    Err(e) if recovery => Some(e),
                     Err(e) => {
                         log::error!("rescan failed: {e:#}");
                         crate::metrics::error("rescan");
+                        None
                     }
-                }
+                };
                 // The listing of the whole tree is freed: give its pages back.
                 crate::memory::release_free_memory();
+                failed
             });
         match spawned {
-            Ok(h) => self.reconciling = Some((h, kept)),
+            Ok(handle) => self.reconciling = Some(Rescan { handle, gate: kept }),
+            Err(e) if recovery => self.fail(anyhow::anyhow!(
+                "cannot start the thread that compares the tree with the manifest: {e}"
+            )),
             Err(e) => log::error!("rescan failed: cannot start its thread: {e}"),
         }
     }
@@ -303,7 +319,23 @@ impl Worker {
     fn rescanning(&self) -> bool {
         self.reconciling
             .as_ref()
-            .is_some_and(|(h, _)| !h.is_finished())
+            .is_some_and(|r| !r.handle.is_finished())
+    }
+
+    /// A comparison that ended: a recovery's that failed means writing fails still (the
+    /// manifest could not be read, say), and the recovery is tried again after the backoff.
+    fn reap_reconcile(&mut self) {
+        if !self
+            .reconciling
+            .as_ref()
+            .is_some_and(|r| r.handle.is_finished())
+        {
+            return;
+        }
+        let r = self.reconciling.take().expect("checked above");
+        if let Ok(Some(e)) = r.handle.join() {
+            self.fail(e.context("comparing the tree with the manifest after the recovery"));
+        }
     }
 
     /// End a running rescan (before the manifest is closed): call it off and wait for it. Let
@@ -311,12 +343,12 @@ impl Worker {
     /// for this thread. What it has not looked at, the next comparison does (the recovery's
     /// after a failure, the next start's after a stop).
     fn end_reconcile(&mut self) {
-        if let Some((h, gate)) = self.reconciling.take() {
-            if !h.is_finished() {
+        if let Some(r) = self.reconciling.take() {
+            if !r.handle.is_finished() {
                 log::debug!("calling off the running rescan");
-                gate.call_off();
+                r.gate.call_off();
             }
-            let _ = h.join();
+            let _ = r.handle.join();
         }
     }
 
@@ -427,6 +459,7 @@ impl Worker {
             kept_manifest: None,
             snapshot_failing: false,
             reconciling: None,
+            recovering: false,
             rescan_again: false,
             last_probe: Instant::now(),
             fault: None,
@@ -459,6 +492,7 @@ impl Worker {
     fn tick(&mut self) {
         self.shared.alive_ms.store(now_ms(), Ordering::Relaxed);
         self.take_completed();
+        self.reap_reconcile();
         self.shared
             .in_flight
             .store(self.in_flight(), Ordering::Relaxed);
