@@ -12,7 +12,10 @@ stream measures the warm service.
 
 usage: python3 benches/reader_latency.py BIN [BIN ...] [--rate 100] [--seconds 20] [--rounds 2]
                                          [--device cpu|cuda|auto] [--log-dir DIR]
-                                         [--ingest KEY=VALUE ...]
+                                         [--ingest KEY=VALUE ...] [--idle-first S]
+
+`--idle-first S`: in the first round, the service idles S seconds after its first row before the
+stream (it closes its files after `ingest.idle_close_s`, 60 s by default), as after a quiet spell.
 """
 import argparse
 import os
@@ -48,7 +51,7 @@ def cpu_model():
     return platform.processor()
 
 
-def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=()):
+def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), idle=0.0):
     with tempfile.TemporaryDirectory() as d:
         rec, out, state = (os.path.join(d, x) for x in ("rec", "out", "state"))
         for label in ("LEAK", "NORMAL"):
@@ -71,6 +74,9 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=()):
             files = [open_swmr(os.path.join(out, n)) for n in NAMES]
             first = first_row(files, os.path.join(d, "incoming"), rec, seed)
             first_ms = (first - appeared) * 1e3
+            # The service (and the machine) idle before the stream, as after a quiet night: the
+            # service closes its files after `idle_close_s` and reopens them for the stream.
+            time.sleep(idle)
             n = int(rate * seconds)
             renamed, seen = {}, {}
             bodies = [clip(seed * 1_000_000 + i) for i in range(n)]
@@ -174,14 +180,17 @@ def main():
     ap.add_argument("--log-dir", help="keep each run's service log and per-recording times here")
     ap.add_argument("--ingest", action="append", default=[], metavar="KEY=VALUE",
                     help="an [ingest] setting for every run, e.g. max_batch_latency_ms=5")
+    ap.add_argument("--idle-first", type=float, default=0, metavar="S",
+                    help="the first round idles S seconds after its first row before the stream")
     a = ap.parse_args()
     print(f"# {cpu_model()}, {os.cpu_count()} cores; {a.rate:g} recordings/s for {a.seconds:g} s; "
-          f"device {a.device}")
+          f"device {a.device}" + (f"; the first round idles {a.idle_first:g} s before its stream"
+                                  if a.idle_first else ""))
     results = {b: [] for b in a.bins}
     for r in range(a.rounds):
         for b in a.bins:
             res = one_run(b, a.rate, a.seconds, seed=r + 1, device=a.device, log_dir=a.log_dir,
-                          ingest=a.ingest)
+                          ingest=a.ingest, idle=a.idle_first if r == 0 else 0.0)
             results[b].append(res)
             print(f"{b}: round {r + 1}: p50 {res['p50']:.1f} ms, p90 {res['p90']:.1f} ms, "
                   f"p99 {res['p99']:.1f} ms, max {res['max']:.1f} ms, never seen {res['missing']}; "

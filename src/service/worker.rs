@@ -239,6 +239,11 @@ impl Worker {
             self.rescan_again = true;
             return;
         }
+        // A recovery's comparison that failed is a failure: the retry compares again.
+        self.reap_reconcile();
+        if self.fault.is_some() {
+            return;
+        }
         self.rescan_again = false;
         self.end_reconcile();
         let manifest = match self.open() {
