@@ -1281,6 +1281,14 @@ fn failing_disk(test: &str, mode: Mode, rounds: usize) {
                     tail(&log, 10)
                 ));
             }
+            // sled's background threads log each failed flush or fsync (every 500 ms while the
+            // disk fails); the service says it itself, once and at each retry.
+            let sled = log.matches("periodic flush thread").count();
+            if sled > 0 {
+                rig.checks.fail(format!(
+                    "{what}: sled's own messages reach the log ({sled} lines about its periodic flush thread)"
+                ));
+            }
         }
         let files = rig.feed.count() as u64;
         let resumed = wait(rig.svc(), "writing again", RESUME_WITHIN, |s| {
