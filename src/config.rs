@@ -464,6 +464,10 @@ pub struct Ingest {
     pub settle_ms: u64,
     /// A file still incomplete after this long is quarantined.
     pub quarantine_after_s: u64,
+    /// A file that could not be read (an I/O error, a permission refused) is quarantined and
+    /// read again after this long, then after twice as long each time, up to an hour; 0 = only
+    /// when it changes.
+    pub unreadable_retry_s: u64,
     /// Periodic safety rescan; 0 disables it.
     pub rescan_interval_s: u64,
     /// Decode/hash/featurise threads; 0 = one per core.
@@ -485,6 +489,7 @@ impl Default for Ingest {
             max_batch_latency_ms: 20,
             settle_ms: 200,
             quarantine_after_s: 300,
+            unreadable_retry_s: 30,
             rescan_interval_s: 3600,
             workers: 0,
             idle_close_s: 60,

@@ -268,6 +268,39 @@ fn a_recovery_whose_comparison_fails_is_tried_again() {
     compare_with_rebuild(&world);
 }
 
+/// A recording that cannot be read (an I/O error, a permission refused) is quarantined with the
+/// reason, and read again after `ingest.unreadable_retry_s`: a condition that passes ends with
+/// the recording's row, the file unchanged.
+#[test]
+#[serial]
+fn an_unreadable_recording_is_read_again_after_a_while() {
+    let world = World::new(&format!("{FAST}unreadable_retry_s = 2\n"));
+    let rel = "LEAK/S001~R1~20250118120530~100.wav";
+    // Reading it fails once (the first file loaded), as a disk that failed a read would.
+    let svc = Service::start_failing(&world, &format!("read-error=1*return({rel})"));
+    write_via_rename(&world.rec(), rel, &clip("LEAK", 0));
+    let snap = svc.wait("the recording quarantined", |s| {
+        s["files"]["quarantined"] == 1
+    });
+    let reason = snap["quarantined"][0]["reason"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        snap["quarantined"][0]["path"] == rel && reason.contains("Input/output error"),
+        "{snap}"
+    );
+    // Nothing changes the file: the retry alone reads it.
+    svc.wait("the recording committed", |s| {
+        committed(s) == 1 && s["files"]["quarantined"] == 0
+    });
+    let log = svc.terminate();
+    assert!(
+        log.contains(&format!("{rel}: reading it is tried again in 2 s")),
+        "{log}"
+    );
+    compare_with_rebuild(&world);
+}
+
 /// Open every split's file as plain (non-SWMR) readers do, with h5py and with HDF5 1.10's
 /// h5dump, and check every dataset has exactly committed_rows rows.
 fn plain_readers_open(world: &World) -> String {

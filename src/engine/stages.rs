@@ -103,6 +103,13 @@ pub fn load(
     times: &StageTimes,
 ) -> Observation {
     fail_while_reading(&rel);
+    if let Some(error) = failed_read(&rel) {
+        return Observation::Loaded(Loaded {
+            load: Load::Unreadable(error),
+            rel,
+            seen,
+        });
+    }
     Observation::Loaded(Loaded {
         load: load_file(file, features, shape, times),
         rel,
@@ -124,6 +131,20 @@ fn fail_while_reading(rel: &str) {
             }
         });
     })();
+}
+
+/// Test builds (feature `failpoints`): `FAILPOINTS=read-error=return(REL)` makes reading the
+/// recording at the relative path REL fail with an I/O error, as a failing disk or a permission
+/// refused would (tests/faults.rs; `1*return(REL)`: the first file loaded, if it is REL).
+fn failed_read(rel: &str) -> Option<String> {
+    #[cfg(not(feature = "failpoints"))]
+    let _ = rel;
+    (|| {
+        fail::fail_point!("read-error", |target: Option<String>| {
+            (target.as_deref() == Some(rel)).then(|| "Input/output error (os error 5)".to_string())
+        });
+        None
+    })()
 }
 
 fn load_file(

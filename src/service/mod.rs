@@ -13,6 +13,7 @@
 
 pub mod batch;
 mod shared;
+mod unreadable;
 mod worker;
 
 use self::shared::{Report, Shared, Work};
@@ -97,6 +98,7 @@ pub async fn serve(
         ingested: 0,
         pending_listed: Instant::now(),
         device,
+        unreadable: unreadable::Unreadable::default(),
     };
     ev.ready();
 
@@ -109,6 +111,7 @@ pub async fn serve(
     loop {
         let settle_at = ev.settler.next_deadline();
         let rescan_at = ev.next_rescan;
+        let retry_at = ev.unreadable.next_due();
         tokio::select! {
             _ = &mut shutdown => break,
             _ = hup.recv() => ev.reload(),
@@ -128,6 +131,7 @@ pub async fn serve(
                 ev.next_rescan = rescan_deadline(&ev.settings);
             }
             _ = unwatched_tick.tick() => ev.retry_unwatched(),
+            _ = sleep_until(retry_at) => ev.retry_unreadable(),
             _ = watchdog_tick.tick(), if watchdog.is_some() => feed_watchdog(&ev.shared, watchdog),
         }
         ev.tell_systemd();
@@ -225,6 +229,8 @@ struct EventLoop {
     pending_listed: Instant,
     next_rescan: Option<Instant>,
     device: String,
+    /// Files quarantined because reading them failed, to read again after a while.
+    unreadable: unreadable::Unreadable,
 }
 
 impl EventLoop {
@@ -384,7 +390,23 @@ impl EventLoop {
                 for rel in done.reread {
                     self.send(Work::Op(Input::Load { rel, seen: None }));
                 }
+                let first = Duration::from_secs(self.settings.ingest.unreadable_retry_s);
+                for (rel, reason) in &done.quarantined {
+                    if !matches!(reason, Reason::Unreadable(_)) {
+                        continue;
+                    }
+                    if let Some(wait) = self.unreadable.refused(rel, Instant::now(), first) {
+                        log::info!("{rel}: reading it is tried again in {} s", wait.as_secs());
+                    }
+                }
             }
+        }
+    }
+
+    /// Read again the files that could not be read, whose wait is over (see [`unreadable`]).
+    fn retry_unreadable(&mut self) {
+        for rel in self.unreadable.take_due(Instant::now()) {
+            self.send(Work::Op(Input::Load { rel, seen: None }));
         }
     }
 
