@@ -301,6 +301,38 @@ fn an_unreadable_recording_is_read_again_after_a_while() {
     compare_with_rebuild(&world);
 }
 
+/// A chmod (or chown) of a file that could not be read has it read at once: the retry does not
+/// wait for its time.
+#[test]
+#[serial]
+fn a_chmod_has_an_unreadable_recording_read_at_once() {
+    let world = World::new(&format!("{FAST}unreadable_retry_s = 600\n"));
+    let rel = "LEAK/S001~R1~20250118120530~100.wav";
+    let svc = Service::start_failing(&world, &format!("read-error=1*return({rel})"));
+    let path = world.rec().join(rel);
+    write_via_rename(&world.rec(), rel, &clip("LEAK", 0));
+    svc.wait("the recording quarantined", |s| {
+        s["files"]["quarantined"] == 1
+    });
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let t = std::time::Instant::now();
+    svc.wait("the recording committed", |s| {
+        committed(s) == 1 && s["files"]["quarantined"] == 0
+    });
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "committed after {:?}: the chmod did not have it read",
+        t.elapsed()
+    );
+    let log = svc.terminate();
+    assert!(
+        log.contains(&format!("{rel}: reading it is tried again in 600 s")),
+        "{log}"
+    );
+    compare_with_rebuild(&world);
+}
+
 /// Open every split's file as plain (non-SWMR) readers do, with h5py and with HDF5 1.10's
 /// h5dump, and check every dataset has exactly committed_rows rows.
 fn plain_readers_open(world: &World) -> String {

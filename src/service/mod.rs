@@ -321,6 +321,12 @@ impl EventLoop {
                 log::warn!("rescanning the whole tree: {reason}");
                 self.send(Work::Rescan);
             }
+            // A file that could not be read, given a permission now perhaps: read it at once.
+            WatchEvent::Attributes(path) => {
+                if let Some(rel) = rel_str(&path).filter(|rel| self.unreadable.take(rel)) {
+                    self.send(Work::Op(Input::Load { rel, seen: None }));
+                }
+            }
         }
     }
 

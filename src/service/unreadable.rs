@@ -2,7 +2,8 @@
 //! unlike a file that is not a usable WAV, such a condition may pass, so the service reads each
 //! again after a while, besides when it changes. The first retry comes after
 //! `ingest.unreadable_retry_s`, each later one after twice the wait before, up to an hour; a
-//! path that was not refused for two hours starts again from the first wait.
+//! path that was not refused for two hours starts again from the first wait. A change of its
+//! attributes (a chmod, a chown) has it read again at once.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -40,6 +41,13 @@ impl Unreadable {
     /// When the next retry is due.
     pub fn next_due(&self) -> Option<Instant> {
         self.due.iter().map(|(t, _)| *t).min()
+    }
+
+    /// Whether `rel` waits for a retry; if so, it is taken off the list (to be read now).
+    pub fn take(&mut self, rel: &str) -> bool {
+        let before = self.due.len();
+        self.due.retain(|(_, r)| r != rel);
+        self.due.len() < before
     }
 
     /// The paths whose retry is due at `now`, taken off the list.
@@ -104,6 +112,18 @@ mod tests {
         u.take_due(now + 120 * S);
         let later = now + 60 * S + 2 * MAX_WAIT;
         assert_eq!(u.refused("a", later, 30 * S), Some(30 * S));
+    }
+
+    #[test]
+    fn a_path_taken_early_keeps_its_count() {
+        let mut u = Unreadable::default();
+        let now = Instant::now();
+        u.refused("a", now, 30 * S);
+        assert!(!u.take("b"));
+        assert!(u.take("a"));
+        assert!(!u.take("a"), "taken once");
+        assert_eq!(u.next_due(), None);
+        assert_eq!(u.refused("a", now + S, 30 * S), Some(60 * S));
     }
 
     #[test]

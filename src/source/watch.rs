@@ -68,6 +68,9 @@ pub enum WatchEvent {
     /// Events may have been lost (queue overflow, watch limit, watcher error, the root itself
     /// removed): rescan the whole tree. `reason` is for the log and carries the advice.
     Rescan { reason: String },
+    /// A `.wav`'s attributes changed (chmod, chown, times), not its bytes: one that could not
+    /// be read for want of a permission may be readable now.
+    Attributes(PathBuf),
 }
 
 /// Where a [`Watcher`] delivers its events: a channel sender. `send_event` returns false once the
@@ -547,7 +550,10 @@ impl Translator {
                 }
                 EventKind::Remove(RemoveKind::Folder) => self.dir_gone(rel, emit),
                 EventKind::Remove(_) => self.gone(rel, emit),
-                // Metadata (chmod, utime), opens and read-only closes: the bytes did not change.
+                EventKind::Modify(ModifyKind::Metadata(_)) if is_wav(&rel) => {
+                    emit(WatchEvent::Attributes(rel))
+                }
+                // Opens and read-only closes (and a folder's attributes): the bytes did not change.
                 _ => {}
             }
         }
@@ -667,7 +673,7 @@ fn touched(rel: PathBuf, kind: TouchKind, emit: &mut dyn FnMut(WatchEvent)) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use notify::event::{DataChange, Flag};
+    use notify::event::{DataChange, Flag, MetadataKind};
     use notify::Event;
 
     fn translator(root: &Path) -> Translator {
@@ -731,6 +737,13 @@ mod tests {
         assert_eq!(feed(&mut tr, ev(close, "/r/L/a.txt")), []);
         let read_close = EventKind::Access(AccessKind::Close(AccessMode::Read));
         assert_eq!(feed(&mut tr, ev(read_close, "/r/L/a.wav")), []);
+        // chmod, chown, utime: said apart from the bytes' changes, for .wav files only.
+        let attrib = EventKind::Modify(ModifyKind::Metadata(MetadataKind::Any));
+        assert_eq!(
+            feed(&mut tr, ev(attrib, "/r/L/a.wav")),
+            [WatchEvent::Attributes(PathBuf::from("L/a.wav"))]
+        );
+        assert_eq!(feed(&mut tr, ev(attrib, "/r/L")), []);
     }
 
     #[test]
