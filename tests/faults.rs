@@ -333,6 +333,72 @@ fn a_chmod_has_an_unreadable_recording_read_at_once() {
     compare_with_rebuild(&world);
 }
 
+/// The recordings' disk unmounted under a running service leaves an empty mount point: that is
+/// a disk not there, not every recording deleted. The comparison lets go of no row (a trainer
+/// keeps its dataset), says why, and once the disk is back the tree is compared again.
+#[test]
+#[serial]
+fn an_unmounted_recordings_disk_is_not_taken_as_every_recording_deleted() {
+    let world = World::new(FAST);
+    let rec = world.rec();
+    let disk = Tmpfs::mount(&rec, "16m");
+    add(&world, 0..4);
+    let svc = Service::start(&world);
+    svc.wait("4 files committed", |s| committed(s) == 4);
+    let valid = |world: &World| -> u64 {
+        let s = world.status_json();
+        ["training", "validation", "testing"]
+            .iter()
+            .map(|k| s["splits"][k]["valid"].as_u64().unwrap())
+            .sum()
+    };
+    assert_eq!(valid(&world), 4);
+    // Keep the recordings to put back, then unmount (lazily, as a disk going away would).
+    let kept = world.dir.path().join("kept");
+    let copy = Command::new("cp")
+        .arg("-a")
+        .arg(&rec)
+        .arg(&kept)
+        .status()
+        .unwrap();
+    assert!(copy.success());
+    let umount = Command::new("umount").arg("-l").arg(&rec).status().unwrap();
+    assert!(umount.success(), "umount {}", rec.display());
+    // A rescan now (a reload asks for one) finds an empty folder.
+    let hup = |svc: &Service| {
+        let ok = Command::new("kill")
+            .args(["-HUP", &svc.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    };
+    hup(&svc);
+    svc.wait_for("the rescan to refuse the empty folder", || {
+        svc.log()
+            .contains("is empty while the manifest knows recordings")
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let snap = svc.snapshot().expect("a status snapshot");
+    assert_eq!(committed(&snap), 4, "{snap}");
+    assert_eq!(valid(&world), 4, "rows let go while the disk was away");
+    // The disk back (mounted anew: the watches of the old one are gone), one recording more.
+    let _disk = Tmpfs::mount(&rec, "16m");
+    let back = Command::new("cp")
+        .arg("-a")
+        .arg(format!("{}/.", kept.display()))
+        .arg(&rec)
+        .status()
+        .unwrap();
+    assert!(back.success());
+    add(&world, 4..5);
+    hup(&svc);
+    svc.wait("the new recording committed", |s| committed(s) == 5);
+    assert_eq!(valid(&world), 5);
+    svc.terminate();
+    compare_with_rebuild(&world);
+    drop(disk);
+}
+
 /// Open every split's file as plain (non-SWMR) readers do, with h5py and with HDF5 1.10's
 /// h5dump, and check every dataset has exactly committed_rows rows.
 fn plain_readers_open(world: &World) -> String {

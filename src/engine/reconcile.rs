@@ -19,6 +19,28 @@ pub struct Reconciliation {
     pub rejected: Vec<Observation>,
 }
 
+/// The recordings folder holds nothing while the manifest knows recordings. Taken as a disk
+/// that is not there (not mounted, say: its mount point is an empty folder), not as every
+/// recording deleted: the comparison removes nothing, and a trainer keeps its rows. The watch
+/// still reports deletions one by one as they happen; to drop every row of an emptied tree,
+/// `ailhd rebuild` makes the outputs anew from it.
+#[derive(Debug)]
+pub struct TreeAbsent {
+    pub root: std::path::PathBuf,
+}
+
+impl std::fmt::Display for TreeAbsent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the recordings folder {} is empty while the manifest knows recordings: taken as a disk that is not there (not mounted?), not as every recording deleted, so no row is let go; the tree is compared again at the next rescan (`ingest.rescan_interval_s`), a reload or a restart. To drop every row of an emptied tree, run `ailhd rebuild`",
+            self.root.display()
+        )
+    }
+}
+
+impl std::error::Error for TreeAbsent {}
+
 /// Compare the tree with the manifest. Safe beside commits (the service runs it on a thread of
 /// its own while recordings keep arriving): a file a commit recorded after the tree was listed
 /// is not reported removed (it is checked for again), and one reported changed that a commit
@@ -127,6 +149,12 @@ pub fn reconcile_with(
         }
     };
     crate::pace::go_on()?;
+    if found.is_empty() && manifest.files().next().is_some() {
+        return Err(TreeAbsent {
+            root: root.to_path_buf(),
+        }
+        .into());
+    }
     let out = Mutex::new(Emitter {
         part: Reconciliation::default(),
         // The first finding goes on at once.
@@ -440,6 +468,36 @@ mod tests {
         assert!(parts.is_empty(), "handed on: {:?}", parts.len());
         let all = reconcile(&s, engine.manifest()).unwrap();
         assert!(new.iter().all(|p| all.changed.contains(p)));
+    }
+
+    /// A tree with no recordings left under its folder, while the manifest knows some, is a disk
+    /// that is not there: the comparison hands on no removal. One recording left is a tree.
+    #[test]
+    fn an_empty_tree_is_a_disk_not_there_not_every_recording_deleted() {
+        let (_dir, s, engine, recorded, new) = changed_while_stopped();
+        let root = &s.paths.recordings;
+        for rel in recorded.iter().chain(&new) {
+            let _ = std::fs::remove_file(root.join(rel));
+        }
+        let mut parts = Vec::new();
+        let e = reconcile_with(&s, engine.manifest(), None, true, &mut |p| parts.push(p))
+            .expect_err("an empty tree");
+        assert!(e.is::<TreeAbsent>(), "{e:#}");
+        assert!(format!("{e}").contains("not mounted?"), "{e}");
+        assert!(parts.is_empty(), "handed on: {parts:?}");
+        // The label folders gone too (an empty mount point): the same.
+        for entry in std::fs::read_dir(root).unwrap() {
+            std::fs::remove_dir_all(entry.unwrap().path()).unwrap();
+        }
+        let e = reconcile(&s, engine.manifest()).expect_err("an empty tree");
+        assert!(e.is::<TreeAbsent>(), "{e:#}");
+        // One recording back: every other one is gone indeed.
+        std::fs::create_dir_all(root.join("LEAK")).unwrap();
+        let samples = crate::synth::clip("LEAK", 10, 4096, 1.0);
+        std::fs::write(root.join(&new[0]), crate::synth::wav_pcm16(&samples, 4096)).unwrap();
+        let all = reconcile(&s, engine.manifest()).unwrap();
+        assert_eq!(all.removed.len(), recorded.len(), "{all:?}");
+        assert_eq!(all.changed, vec![new[0].clone()]);
     }
 
     /// The comparison with the manifest hands on new paths before it looks at any recorded

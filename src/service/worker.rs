@@ -300,6 +300,12 @@ impl Worker {
                         log::info!("rescan called off (the manifest is being closed): the next comparison covers what it had not looked at");
                         None
                     }
+                    // Not a failure of the service's own: nothing to retry but the comparison.
+                    Err(e) if e.is::<crate::engine::TreeAbsent>() => {
+                        log::error!("rescan: {e:#}");
+                        crate::metrics::error("rescan");
+                        None
+                    }
                     // The worker retries the recovery, and says so.
                     Err(e) if recovery => Some(e),
                     Err(e) => {
