@@ -334,8 +334,9 @@ fn a_chmod_has_an_unreadable_recording_read_at_once() {
 }
 
 /// The recordings' disk unmounted under a running service leaves an empty mount point: that is
-/// a disk not there, not every recording deleted. The comparison lets go of no row (a trainer
-/// keeps its dataset), says why, and once the disk is back the tree is compared again.
+/// a disk not there, not every recording deleted. The service notices the folder is another one
+/// (it looks every 10 s), compares it, lets go of no row (a trainer keeps its dataset) and says
+/// why; mounted again, the folder is watched anew without a restart.
 #[test]
 #[serial]
 fn an_unmounted_recordings_disk_is_not_taken_as_every_recording_deleted() {
@@ -364,16 +365,7 @@ fn an_unmounted_recordings_disk_is_not_taken_as_every_recording_deleted() {
     assert!(copy.success());
     let umount = Command::new("umount").arg("-l").arg(&rec).status().unwrap();
     assert!(umount.success(), "umount {}", rec.display());
-    // A rescan now (a reload asks for one) finds an empty folder.
-    let hup = |svc: &Service| {
-        let ok = Command::new("kill")
-            .args(["-HUP", &svc.pid().to_string()])
-            .status()
-            .unwrap();
-        assert!(ok.success());
-    };
-    hup(&svc);
-    svc.wait_for("the rescan to refuse the empty folder", || {
+    svc.wait_for("the comparison to refuse the empty folder", || {
         svc.log()
             .contains("is empty while the manifest knows recordings")
     });
@@ -381,7 +373,7 @@ fn an_unmounted_recordings_disk_is_not_taken_as_every_recording_deleted() {
     let snap = svc.snapshot().expect("a status snapshot");
     assert_eq!(committed(&snap), 4, "{snap}");
     assert_eq!(valid(&world), 4, "rows let go while the disk was away");
-    // The disk back (mounted anew: the watches of the old one are gone), one recording more.
+    // The disk back, mounted anew (the old mount's watches are gone), and a new recording.
     let _disk = Tmpfs::mount(&rec, "16m");
     let back = Command::new("cp")
         .arg("-a")
@@ -391,10 +383,15 @@ fn an_unmounted_recordings_disk_is_not_taken_as_every_recording_deleted() {
         .unwrap();
     assert!(back.success());
     add(&world, 4..5);
-    hup(&svc);
     svc.wait("the new recording committed", |s| committed(s) == 5);
     assert_eq!(valid(&world), 5);
-    svc.terminate();
+    // And one more, seen by the new watches.
+    let t = std::time::Instant::now();
+    add(&world, 5..6);
+    svc.wait("the next one committed", |s| committed(s) == 6);
+    assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
+    let log = svc.terminate();
+    assert_eq!(log.matches("is another folder now").count(), 2, "{log}");
     compare_with_rebuild(&world);
     drop(disk);
 }

@@ -66,7 +66,7 @@ pub async fn serve(
     let _metrics = crate::metrics::Exporter::start(&settings.metrics)?;
     let root = std::path::absolute(&settings.paths.recordings)?;
     let (watch_tx, mut watch_rx) = mpsc::unbounded_channel::<WatchEvent>();
-    let (engine, watcher, listed) = open_and_watch(&settings, &root, watch_tx)?;
+    let (engine, watcher, listed) = open_and_watch(&settings, &root, watch_tx.clone())?;
     let device = engine
         .as_ref()
         .map_or_else(|_| "-".to_string(), |e| e.device().to_string());
@@ -88,7 +88,6 @@ pub async fn serve(
     let mut ev = EventLoop {
         settler: new_settler(&settings),
         next_rescan: rescan_deadline(&settings),
-        root,
         settings,
         config_path,
         strong_at: HashMap::new(),
@@ -99,6 +98,9 @@ pub async fn serve(
         pending_listed: Instant::now(),
         device,
         unreadable: unreadable::Unreadable::default(),
+        root_id: folder_id(&root),
+        watch_tx,
+        root,
     };
     ev.ready();
 
@@ -130,7 +132,10 @@ pub async fn serve(
                 ev.send(Work::Rescan);
                 ev.next_rescan = rescan_deadline(&ev.settings);
             }
-            _ = unwatched_tick.tick() => ev.retry_unwatched(),
+            _ = unwatched_tick.tick() => {
+                ev.retry_unwatched();
+                ev.check_root();
+            }
             _ = sleep_until(retry_at) => ev.retry_unreadable(),
             _ = watchdog_tick.tick(), if watchdog.is_some() => feed_watchdog(&ev.shared, watchdog),
         }
@@ -231,6 +236,10 @@ struct EventLoop {
     device: String,
     /// Files quarantined because reading them failed, to read again after a while.
     unreadable: unreadable::Unreadable,
+    /// The recordings folder's device and inode as watched (see [`EventLoop::check_root`]).
+    root_id: Option<(u64, u64)>,
+    /// Where a watcher made anew sends its events.
+    watch_tx: mpsc::UnboundedSender<WatchEvent>,
 }
 
 impl EventLoop {
@@ -416,6 +425,35 @@ impl EventLoop {
         }
     }
 
+    /// The recordings folder is another one than the one watched (a disk mounted on it, or
+    /// unmounted from it; the folder made anew): its watches are gone with the old one, so it
+    /// is watched anew and the tree compared. Runs every 10 s.
+    fn check_root(&mut self) {
+        let Some(id) = folder_id(&self.root) else {
+            return; // not there: the comparisons say so, and the next look finds it back
+        };
+        if self.root_id == Some(id) {
+            return;
+        }
+        match Watcher::start(&self.root, self.watch_tx.clone()) {
+            Ok(watcher) => {
+                log::warn!(
+                    "the recordings folder {} is another folder now (a disk mounted on it or taken away, or the folder made anew): watching it anew and comparing it with the manifest",
+                    self.root.display()
+                );
+                std::mem::replace(&mut self.watcher, watcher).stop();
+                self.root_id = Some(id);
+                *self
+                    .shared
+                    .unwatched
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = self.watcher.unwatched();
+                self.send(Work::Rescan);
+            }
+            Err(e) => log::warn!("cannot watch the recordings folder again yet: {e}"),
+        }
+    }
+
     /// Folders a watch limit left unwatched: try again, and rescan meanwhile (after a success
     /// too: their events until now were missed).
     fn retry_unwatched(&mut self) {
@@ -466,6 +504,15 @@ async fn sleep_until(at: Option<Instant>) {
         Some(t) => tokio::time::sleep_until(t.into()).await,
         None => std::future::pending().await,
     }
+}
+
+/// A folder's device and inode, if it is one.
+fn folder_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path)
+        .ok()
+        .filter(|m| m.is_dir())
+        .map(|m| (m.dev(), m.ino()))
 }
 
 fn rel_str(path: &Path) -> Option<String> {

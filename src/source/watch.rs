@@ -521,7 +521,8 @@ impl Translator {
                     emit(WatchEvent::Rescan {
                         reason: format!(
                             "the recordings root {} was removed or moved away; nothing is watched \
-                             any more (restart the service once it is back)",
+                             there until it is back (the service looks every 10 s, and watches \
+                             it anew)",
                             self.root.display()
                         ),
                     });
