@@ -370,7 +370,12 @@ fn an_unmounted_recordings_disk_is_not_taken_as_every_recording_deleted() {
             .contains("is empty while the manifest knows recordings")
     });
     std::thread::sleep(Duration::from_millis(1500));
-    let snap = svc.snapshot().expect("a status snapshot");
+    let snap = svc.wait("`status` to list why", |s| {
+        s["service"]["last_errors"].as_array().is_some_and(|l| {
+            l.iter()
+                .any(|e| e.as_str().unwrap_or("").contains("is empty"))
+        })
+    });
     assert_eq!(committed(&snap), 4, "{snap}");
     assert_eq!(valid(&world), 4, "rows let go while the disk was away");
     // The disk back, mounted anew (the old mount's watches are gone), and a new recording.

@@ -63,11 +63,17 @@ fn disk_answers(settings: &Settings) -> bool {
 }
 
 /// A comparison of the tree with the manifest running on a thread of its own, with the gate
-/// it gives way at, which calls it off. Its thread returns the error of a recovery's
-/// comparison that failed (any other says so itself).
+/// it gives way at, which calls it off. Its thread returns how it failed, if it did.
 pub(super) struct Rescan {
-    handle: std::thread::JoinHandle<Option<anyhow::Error>>,
+    handle: std::thread::JoinHandle<Option<RescanFailed>>,
     gate: Arc<crate::pace::Gate>,
+}
+
+/// A comparison that failed (not one called off). A recovery's own failure is a failure of
+/// writing again, retried with it; any other was logged where it happened, and `status` lists it.
+pub(super) struct RescanFailed {
+    error: anyhow::Error,
+    recovery: bool,
 }
 
 /// The ingest worker: drives the engine, closes it when idle, and rides out write failures.
@@ -300,18 +306,23 @@ impl Worker {
                         log::info!("rescan called off (the manifest is being closed): the next comparison covers what it had not looked at");
                         None
                     }
-                    // Not a failure of the service's own: nothing to retry but the comparison.
-                    Err(e) if e.is::<crate::engine::TreeAbsent>() => {
-                        log::error!("rescan: {e:#}");
-                        crate::metrics::error("rescan");
-                        None
+                    // A recovery's own failure: the worker retries the recovery, and says so.
+                    Err(e) if recovery && !e.is::<crate::engine::TreeAbsent>() => {
+                        Some(RescanFailed { error: e, recovery })
                     }
-                    // The worker retries the recovery, and says so.
-                    Err(e) if recovery => Some(e),
+                    // Said here; `status` lists it too (see `reap_reconcile`). Not a failure of
+                    // writing: nothing to retry but the comparison.
                     Err(e) => {
-                        log::error!("rescan failed: {e:#}");
+                        if e.is::<crate::engine::TreeAbsent>() {
+                            log::error!("rescan: {e:#}");
+                        } else {
+                            log::error!("rescan failed: {e:#}");
+                        }
                         crate::metrics::error("rescan");
-                        None
+                        Some(RescanFailed {
+                            error: e,
+                            recovery: false,
+                        })
                     }
                 };
                 // The listing of the whole tree is freed: give its pages back.
@@ -334,7 +345,8 @@ impl Worker {
     }
 
     /// A comparison that ended: a recovery's that failed means writing fails still (the
-    /// manifest could not be read, say), and the recovery is tried again after the backoff.
+    /// manifest could not be read, say), and the recovery is tried again after the backoff;
+    /// another that failed goes into `status`'s last errors.
     fn reap_reconcile(&mut self) {
         if !self
             .reconciling
@@ -344,8 +356,18 @@ impl Worker {
             return;
         }
         let r = self.reconciling.take().expect("checked above");
-        if let Ok(Some(e)) = r.handle.join() {
-            self.fail(e.context("comparing the tree with the manifest after the recovery"));
+        match r.handle.join() {
+            Ok(Some(RescanFailed {
+                error,
+                recovery: true,
+            })) => {
+                self.fail(error.context("comparing the tree with the manifest after the recovery"))
+            }
+            Ok(Some(RescanFailed { error, .. })) => {
+                self.recent.push_error(format!("rescan: {error:#}"));
+                self.dirty = true;
+            }
+            _ => {}
         }
     }
 
