@@ -44,7 +44,7 @@ use ledger::{Counts, Ledger, Plan};
 use manifest::Manifest;
 use outcome::{Observation, Reason};
 use rayon::prelude::*;
-pub use reconcile::{reconcile, reconcile_with, Reconciliation, TreeAbsent};
+pub use reconcile::{reconcile_with, Reconciliation, TreeAbsent};
 use stages::StageTimes;
 use std::path::Path;
 use std::sync::Arc;

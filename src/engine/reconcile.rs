@@ -41,20 +41,6 @@ impl std::fmt::Display for TreeAbsent {
 
 impl std::error::Error for TreeAbsent {}
 
-/// Compare the tree with the manifest. Safe beside commits (the service runs it on a thread of
-/// its own while recordings keep arriving): a file a commit recorded after the tree was listed
-/// is not reported removed (it is checked for again), and one reported changed that a commit
-/// recorded meanwhile is found unchanged when it is loaded.
-pub fn reconcile(settings: &Settings, manifest: &Manifest) -> anyhow::Result<Reconciliation> {
-    let mut all = Reconciliation::default();
-    reconcile_with(settings, manifest, None, true, &mut |part| {
-        all.changed.extend(part.changed);
-        all.removed.extend(part.removed);
-        all.rejected.extend(part.rejected);
-    })?;
-    Ok(all)
-}
-
 /// `lstat` of paths relative to a root, resolved from an open descriptor of their folder
 /// (`fstatat`): paths in listing order share folders, and a lookup of the name alone costs a
 /// fraction of a whole path's.
@@ -93,7 +79,11 @@ impl<'a> FolderStat<'a> {
 /// How often [`reconcile_with`] hands on what it found so far.
 const RECONCILE_REPORT_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// [`reconcile`], handing its findings to `emit` as it goes, in the order a service wants them:
+/// Compare the tree with the manifest. Safe beside commits (the service runs it on a thread of
+/// its own while recordings keep arriving): a file a commit recorded after the tree was listed
+/// is not reported removed (it is checked for again), and one reported changed that a commit
+/// recorded meanwhile is found unchanged when it is loaded. It hands its findings to `emit` as it
+/// goes, in the order a service wants them:
 ///
 /// 1. what the listing alone tells, with no `stat`: paths the manifest does not know (new
 ///    recordings: most of what arrives while a service is down) and rejected ones, from one pass
@@ -399,6 +389,17 @@ mod tests {
     use super::*;
     use crate::config::DeviceChoice;
     use crate::engine::{Engine, Input};
+
+    /// The whole comparison, as at a start, its parts gathered.
+    fn reconcile(settings: &Settings, manifest: &Manifest) -> anyhow::Result<Reconciliation> {
+        let mut all = Reconciliation::default();
+        reconcile_with(settings, manifest, None, true, &mut |part| {
+            all.changed.extend(part.changed);
+            all.removed.extend(part.removed);
+            all.rejected.extend(part.rejected);
+        })?;
+        Ok(all)
+    }
 
     /// A tree ingested, then changed "while stopped": two new files, one changed in place, one
     /// deleted. Returns (folder, settings, engine, recorded paths, new paths).

@@ -229,9 +229,9 @@ impl Worker {
         );
         self.dropped = 0;
         self.dirty = true;
-        // The whole comparison, as at start (rows to remake included), from a new listing.
+        // The whole comparison, as at start (rows to remake included), from a new listing
+        // (`fail` dropped the start's).
         self.start = true;
-        self.listed = None;
         self.recovering = true;
         self.start_reconcile();
     }
@@ -245,13 +245,13 @@ impl Worker {
             self.rescan_again = true;
             return;
         }
-        // A recovery's comparison that failed is a failure: the retry compares again.
+        // A recovery's comparison that failed is a failure: the retry compares again. (None
+        // runs now, so none is left to end.)
         self.reap_reconcile();
         if self.fault.is_some() {
             return;
         }
         self.rescan_again = false;
-        self.end_reconcile();
         let manifest = match self.open() {
             Ok(engine) => engine.manifest_handle(),
             Err(e) => return self.fail(e),
@@ -306,23 +306,17 @@ impl Worker {
                         log::info!("rescan called off (the manifest is being closed): the next comparison covers what it had not looked at");
                         None
                     }
-                    // A recovery's own failure: the worker retries the recovery, and says so.
-                    Err(e) if recovery && !e.is::<crate::engine::TreeAbsent>() => {
-                        Some(RescanFailed { error: e, recovery })
-                    }
-                    // Said here; `status` lists it too (see `reap_reconcile`). Not a failure of
-                    // writing: nothing to retry but the comparison.
                     Err(e) => {
-                        if e.is::<crate::engine::TreeAbsent>() {
-                            log::error!("rescan: {e:#}");
-                        } else {
-                            log::error!("rescan failed: {e:#}");
+                        // A recovery's own failure: the worker retries the recovery, and says
+                        // so. Any other is said here, and `status` lists it (`reap_reconcile`).
+                        let absent = e.is::<crate::engine::TreeAbsent>();
+                        let recovery = recovery && !absent;
+                        if !recovery {
+                            let what = if absent { "rescan" } else { "rescan failed" };
+                            log::error!("{what}: {e:#}");
+                            crate::metrics::error("rescan");
                         }
-                        crate::metrics::error("rescan");
-                        Some(RescanFailed {
-                            error: e,
-                            recovery: false,
-                        })
+                        Some(RescanFailed { error: e, recovery })
                     }
                 };
                 // The listing of the whole tree is freed: give its pages back.
