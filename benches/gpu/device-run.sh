@@ -17,18 +17,26 @@
 #            cpu, the torchaudio implementation of the same job (torchaudio_baseline.py)
 #   daemon   the service at 100 clips/s and a burst, featurising on the GPU (daemon benchmark)
 #   latency  the warm service at 100 and 1,000 clips/s as an h5py SWMR reader sees it, cuda and
-#            cpu (benches/reader_latency.py)
-#   ceiling  benches/rebuild.rs --ceiling on 4, 8 and all cores (carried as rebuild_bench)
+#            cpu (benches/reader_latency.py); with a baseline, both builds taking turns
+#   ceiling  benches/rebuild.rs --ceiling on 4, 8 and all cores (carried as rebuild_bench); with
+#            a baseline, its rebuild_bench first at each core count
+#   compare  the benchmark tree rebuilt by a baseline build and by this one, whole processes
+#            taking turns, $ROUNDS rounds (default 3) on each of $DEVICES (default "cpu cuda");
+#            wall, files/s and the report's phases and stages per run
+# A baseline (the build before a change, measured in the same call): $BASE (default
+# $CARRY/base) holding its ailhd and rebuild_bench, each may be gzipped (the carry's 64 MiB).
 # Results and logs go to $OUT (default /tmp/ailhd-gpu); scratch to $WORK (default /tmp/ailhd-work).
 set -uo pipefail
 CARRY=${CARRY:-.device-carry}
 OUT=${OUT:-/tmp/ailhd-gpu}
 W=${WORK:-/tmp/ailhd-work}
 N=${N:-39563}
+BASE=${BASE:-$CARRY/base}
 HERE=$(dirname "$(realpath "$0")")
 [ -x "$CARRY/ailhd" ] || { echo "no $CARRY/ailhd: run benches/gpu/prepare-carry.sh first and carry $CARRY" >&2; exit 1; }
 BIN=$(realpath "$CARRY/ailhd")
 mkdir -p "$W" "$OUT"
+for f in "$BASE"/*.gz; do [ -e "$f" ] && gunzip -f "$f" && chmod +x "${f%.gz}"; done
 steps=${*:-info doctor tests parity dataset bench daemon}
 failed=0
 
@@ -138,24 +146,54 @@ daemon)
     ;;
 latency)
     # As a trainer's h5py SWMR reader sees it (rename -> row below committed_rows), the warm
-    # service on each device, after a first recording (its "first row" includes the start-up).
+    # service on each device, after a first recording (its "first row" includes the start-up);
+    # with a baseline, its binary and this one take turns ($LATENCY_ROUNDS rounds, default 1).
+    bins=("$BIN"); [ -x "$BASE/ailhd" ] && bins=("$(realpath "$BASE/ailhd")" "$BIN")
     for rate in 100 1000; do
         secs=10; [ $rate = 1000 ] && secs=5
         for dev in cuda cpu; do
-            printf 'reader latency, %s/s, --device %s: ' $rate $dev
-            python3 "$HERE/../reader_latency.py" "$BIN" --device $dev --rate $rate --seconds $secs --rounds 1 \
-                >"$OUT/latency-$dev-$rate.txt" 2>&1 || failed=1
-            grep "round 1" "$OUT/latency-$dev-$rate.txt" | sed 's/^[^:]*: //'
+            echo "reader latency, $rate/s, --device $dev:"
+            python3 "$HERE/../reader_latency.py" "${bins[@]}" --device $dev --rate $rate --seconds $secs \
+                --rounds "${LATENCY_ROUNDS:-1}" >"$OUT/latency-$dev-$rate.txt" 2>&1 || failed=1
+            grep -E "round [0-9]+:" "$OUT/latency-$dev-$rate.txt" | sed -E 's|^[^:]*/([^/]*/ailhd):|  \1:|'
         done
     done
     ;;
 ceiling)
     # The host pipeline with a pass-through featuriser (benches/rebuild.rs --ceiling) on 4, 8
     # and all cores.
+    builds="new"; [ -x "$BASE/rebuild_bench" ] && builds="base new"
     for cores in 4 8 "$(nproc)"; do
-        echo "-- ceiling on $cores cores"
-        taskset -c "0-$((cores - 1))" "$CARRY/rebuild_bench" --ceiling 5000 >"$OUT/ceiling-$cores.txt" 2>&1 || failed=1
-        grep -E "^machine|^ceiling|real cpu rebuild|^  (ingest|busy)|    (read|hash|decode|decide|featurise|write|manifest) " "$OUT/ceiling-$cores.txt"
+        for who in $builds; do
+            echo "-- ceiling on $cores cores, $who build"
+            exe="$CARRY/rebuild_bench"; [ "$who" = base ] && exe="$BASE/rebuild_bench"
+            taskset -c "0-$((cores - 1))" "$exe" --ceiling 5000 >"$OUT/ceiling-$who-$cores.txt" 2>&1 || failed=1
+            grep -E "^machine|^ceiling|real cpu rebuild|^  (ingest|busy)|    (read|hash|decode|decide|featurise|write|manifest) " "$OUT/ceiling-$who-$cores.txt"
+        done
+    done
+    ;;
+compare)
+    [ -x "$BASE/ailhd" ] || { echo "no baseline build at $BASE/ailhd"; failed=1; continue; }
+    [ -d "$W/tree" ] || { echo "no tree: run the dataset step first"; failed=1; continue; }
+    find "$W/tree" -type f -exec cat {} + >/dev/null
+    for dev in ${DEVICES:-cpu cuda}; do
+        for round in $(seq "${ROUNDS:-3}"); do
+            for who in base new; do
+                bin=$BIN; [ $who = base ] && bin=$(realpath "$BASE/ailhd")
+                rm -rf "$W/cmp" "$W/cmp.state"
+                c=$(conf cmp "$W/tree" "$W/cmp")
+                printf '%s --device %s round %s: ' $who "$dev" "$round"
+                timed "$OUT/cmp-$who-$dev-$round.json" "$bin" --config "$c" rebuild --device "$dev" --json
+                python3 -c '
+import json, sys
+r = json.load(open(sys.argv[1]))
+f = r["files"]
+print("   %d files, %.0f files/s; phases %s; us/file %s" % (f, f / r["elapsed_s"],
+      " ".join("%s %.3f" % kv for kv in r["phases_s"].items()),
+      " ".join("%s %.1f" % (k, v * 1e6 / f) for k, v in r["stages_s"].items())))' \
+                    "$OUT/cmp-$who-$dev-$round.json" 2>&1 | cut -c1-400
+            done
+        done
     done
     ;;
 *)

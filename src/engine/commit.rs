@@ -18,7 +18,7 @@
 use crate::engine::ledger::{Edit, Plan};
 use crate::engine::manifest::{Manifest, ManifestBatch};
 use crate::engine::stages::StageTimes;
-use crate::output::set::OutputSet;
+use crate::output::set::{OutputSet, SplitRows};
 use crate::output::RowMeta;
 use anyhow::{ensure, Context};
 use half::f16;
@@ -113,7 +113,7 @@ impl Committer {
         crate::output::set::io_pool().in_place_scope(|scope| {
             scope.spawn(|_| {
                 let t = Instant::now();
-                recorded = Some(manifest.apply(batch));
+                recorded = Some(manifest.apply_bulk(batch, crate::engine::manifest::bulk_pool()));
                 StageTimes::add(&times.manifest, t);
             });
             written = Some(self.write(f).and_then(|()| self.outputs.start_writeback()));
@@ -127,6 +127,7 @@ impl Committer {
 
     fn write(&mut self, f: &Featurised) -> anyhow::Result<()> {
         let plan = &f.plan;
+        let mut metas: [Vec<RowMeta>; 3] = Default::default();
         for (split, rows) in plan.new_rows.iter().enumerate() {
             let Some(first) = rows.first() else { continue };
             let at = self.outputs.len(split);
@@ -135,10 +136,13 @@ impl Committer {
                 "the ledger placed row {} but the outputs hold {at} rows",
                 first.row
             );
-            let metas: Vec<RowMeta> = rows.iter().map(|r| r.meta.clone()).collect();
-            self.outputs
-                .append(split, &f.mel[split], f.waveform[split].as_deref(), &metas)?;
+            metas[split] = rows.iter().map(|r| r.meta.clone()).collect();
         }
+        let parts: Vec<SplitRows<'_>> = (0..3)
+            .filter(|&s| !plan.new_rows[s].is_empty())
+            .map(|s| (s, &f.mel[s][..], f.waveform[s].as_deref(), &metas[s][..]))
+            .collect();
+        self.outputs.append_splits(&parts)?;
         for e in &plan.edits {
             match e {
                 Edit::Valid { at, valid } => {

@@ -532,6 +532,150 @@ impl Manifest {
         Ok(())
     }
 
+    /// [`Manifest::apply`] for a manifest that is thrown away whole unless it is complete (the
+    /// staging manifest of `rebuild`, swapped in only at the end): the same records, derived
+    /// trees and summary, without the transaction, and written by the threads of `pool` at
+    /// once. sled serialises batches and transactions on one lock but lets plain inserts run
+    /// side by side, so on a many-core host this is what keeps the manifest from capping the
+    /// bulk pipeline (`docs/benchmarks.md`). Each thread owns the keys that hash to it, so the
+    /// changes to one key stay in batch order; each change's old value is what its insert or
+    /// remove returns (no separate read).
+    pub fn apply_bulk(
+        &self,
+        batch: ManifestBatch,
+        pool: &rayon::ThreadPool,
+    ) -> Result<(), ManifestError> {
+        let parts = pool.current_num_threads().max(1);
+        let file_part = |rel: &str| {
+            // FNV-1a: cheap and spread enough for paths.
+            let h = rel.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+            });
+            (h % parts as u64) as usize
+        };
+        let content_part = |hash: &Hash| {
+            (u64::from_le_bytes(hash[..8].try_into().expect("8 bytes")) % parts as u64) as usize
+        };
+        type Olds<T> = Result<Vec<(usize, Option<T>)>, ManifestError>;
+        let mut olds: Vec<(Olds<FileRecord>, Olds<ContentRecord>)> = Vec::new();
+        pool.install(|| {
+            use rayon::prelude::*;
+            (0..parts)
+                .into_par_iter()
+                .map(|part| {
+                    let files = batch
+                        .files
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, (rel, _))| file_part(rel) == part)
+                        .map(|(i, (rel, new))| Ok((i, self.put_file_bulk(rel, new.as_ref())?)))
+                        .collect();
+                    let content = batch
+                        .content
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, (hash, _))| content_part(hash) == part)
+                        .map(|(i, (hash, new))| Ok((i, self.put_content_bulk(hash, new.as_ref())?)))
+                        .collect();
+                    (files, content)
+                })
+                .collect_into_vec(&mut olds);
+        });
+        let mut guard = self.summary.lock().unwrap_or_else(|p| p.into_inner());
+        let mut summary = guard.clone();
+        for (files, content) in olds {
+            for (i, old) in files? {
+                if let Some(old) = &old {
+                    summary.file(old, -1);
+                }
+                if let Some(new) = &batch.files[i].1 {
+                    summary.file(new, 1);
+                }
+            }
+            for (i, old) in content? {
+                if let Some(old) = &old {
+                    summary.content(old, -1);
+                }
+                if let Some(new) = &batch.content[i].1 {
+                    summary.content(new, 1);
+                }
+            }
+        }
+        for (split, rows) in &batch.rows {
+            self.content
+                .insert(
+                    format!("rows_{split}").as_bytes(),
+                    rows.to_string().as_bytes(),
+                )
+                .map_err(|e| self.err(e))?;
+        }
+        let mut meta = batch.meta;
+        if summary != *guard {
+            meta.insert("summary", encode(&summary));
+        }
+        self.meta.apply_batch(meta).map_err(|e| self.err(e))?;
+        *guard = summary;
+        Ok(())
+    }
+
+    /// One file record of [`Manifest::apply_bulk`] and its quarantine entry; the old record.
+    fn put_file_bulk(
+        &self,
+        rel: &str,
+        new: Option<&FileRecord>,
+    ) -> Result<Option<FileRecord>, ManifestError> {
+        let key = rel.as_bytes();
+        let old = match new {
+            Some(rec) => self.files.insert(key, encode(rec)),
+            None => self.files.remove(key),
+        }
+        .map_err(|e| self.err(e))?
+        .map(|v| decode::<FileRecord>(&v).map_err(|m| self.corrupt(rel.to_string(), m)))
+        .transpose()?;
+        let was_quarantined = old.as_ref().is_some_and(|o| o.quarantine.is_some());
+        match new.and_then(|r| r.quarantine.as_ref()) {
+            Some(q) => {
+                self.quarantine
+                    .insert(key, q.text.as_bytes())
+                    .map_err(|e| self.err(e))?;
+            }
+            None if was_quarantined => {
+                self.quarantine.remove(key).map_err(|e| self.err(e))?;
+            }
+            None => {}
+        }
+        Ok(old)
+    }
+
+    /// One content record of [`Manifest::apply_bulk`] and its shared entry; the old record.
+    fn put_content_bulk(
+        &self,
+        hash: &Hash,
+        new: Option<&ContentRecord>,
+    ) -> Result<Option<ContentRecord>, ManifestError> {
+        let key = &hash[..];
+        let old = match new {
+            Some(rec) => self.content.insert(key, encode(rec)),
+            None => self.content.remove(key),
+        }
+        .map_err(|e| self.err(e))?
+        .map(|v| {
+            decode::<ContentRecord>(&v).map_err(|m| self.corrupt(crate::identity::hex(hash), m))
+        })
+        .transpose()?;
+        let was_shared = old.as_ref().is_some_and(|o| o.paths.len() > 1);
+        match new {
+            Some(rec) if rec.paths.len() > 1 => {
+                self.shared.insert(key, &[][..]).map_err(|e| self.err(e))?;
+            }
+            _ if was_shared => {
+                self.shared.remove(key).map_err(|e| self.err(e))?;
+            }
+            _ => {}
+        }
+        Ok(old)
+    }
+
     /// The sled batches of `batch` for the content, shared, files, quarantine and meta trees,
     /// and `summary` moved by the records it replaces and adds.
     fn changes(
@@ -642,6 +786,21 @@ impl Manifest {
         }
         Ok(())
     }
+}
+
+/// The threads [`Manifest::apply_bulk`] writes with: one per core this process may use, at most
+/// eight (sled's inserts stop scaling before that; `benches/rebuild.rs --ceiling`). Kept for the
+/// life of the process; idle, they sleep.
+pub fn bulk_pool() -> &'static rayon::ThreadPool {
+    static POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(cores.clamp(1, 8))
+            .thread_name(|i| format!("ailhd-manifest-{i}"))
+            .build()
+            .expect("manifest threads start")
+    })
 }
 
 /// sled 0.34 flushes and fsyncs in its log's `Drop` and panics there when the disk fails
@@ -795,5 +954,93 @@ mod tests {
             vec![("LEAK/bad.wav".to_string(), "not a WAV file".to_string())]
         );
         assert_eq!(m.shared_contents().count(), 1);
+    }
+
+    /// One change of a random history for [`apply_bulk_matches_apply`]: a file (of 8 paths)
+    /// put or removed, or a content (of 5) put or removed, with quarantines, shared contents,
+    /// invalid rows and several labels among them.
+    #[derive(Debug, Clone)]
+    enum Change {
+        File(u8, Option<(u8, bool)>),
+        Content(u8, Option<(u8, u8, bool, u8)>),
+    }
+
+    fn change() -> impl proptest::strategy::Strategy<Value = Change> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0..8u8, proptest::option::of((0..5u8, any::<bool>())))
+                .prop_map(|(p, r)| Change::File(p, r)),
+            (
+                0..5u8,
+                proptest::option::of((0..3u8, 0..3u8, any::<bool>(), 0..4u8))
+            )
+                .prop_map(|(h, r)| Change::Content(h, r)),
+        ]
+    }
+
+    fn batch_of(changes: &[Change], rows: u64) -> ManifestBatch {
+        let path = |p: u8| format!("L{}/f{p}.wav", p % 3);
+        let mut b = ManifestBatch::default();
+        for c in changes {
+            match c {
+                Change::File(p, None) => b.remove_file(&path(*p)),
+                Change::File(p, Some((h, quarantined))) => b.put_file(
+                    &path(*p),
+                    &FileRecord {
+                        hash: Some([*h; 32]),
+                        quarantine: quarantined.then(|| StoredReason {
+                            kind: "decode".into(),
+                            text: format!("bad {p}"),
+                        }),
+                        ..rec()
+                    },
+                ),
+                Change::Content(h, None) => b.remove_content(&[*h; 32]),
+                Change::Content(h, Some((split, label, valid, paths))) => b.put_content(
+                    &[*h; 32],
+                    &ContentRecord {
+                        row: Some(RowRef {
+                            split: *split,
+                            row: u64::from(*h),
+                        }),
+                        label: i16::from(*label),
+                        valid: *valid,
+                        paths: (0..*paths).map(path).collect(),
+                    },
+                ),
+            }
+        }
+        b.put_rows(0, rows);
+        b
+    }
+
+    fn trees(m: &Manifest) -> Vec<Vec<(sled::IVec, sled::IVec)>> {
+        [&m.files, &m.content, &m.meta, &m.quarantine, &m.shared]
+            .iter()
+            .map(|t| t.iter().map(Result::unwrap).collect())
+            .collect()
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(60))]
+        /// The bulk path (no transaction, several threads, old values from the inserts) leaves
+        /// exactly the trees and summary of the transactional one, for any history of batches,
+        /// repeated keys within a batch included; and the summary counts what the records say.
+        #[test]
+        fn apply_bulk_matches_apply(
+            history in proptest::collection::vec(proptest::collection::vec(change(), 0..12), 1..6)
+        ) {
+            let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+            let (one, bulk) = (Manifest::open(a.path()).unwrap(), Manifest::open(b.path()).unwrap());
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+            for (i, changes) in history.iter().enumerate() {
+                one.apply(batch_of(changes, i as u64)).unwrap();
+                bulk.apply_bulk(batch_of(changes, i as u64), &pool).unwrap();
+            }
+            proptest::prop_assert_eq!(trees(&one), trees(&bulk));
+            let summary = bulk.summary.lock().unwrap().clone();
+            proptest::prop_assert_eq!(&summary, &*one.summary.lock().unwrap());
+            proptest::prop_assert_eq!(summary, Summary::count(&bulk).unwrap());
+        }
     }
 }

@@ -615,7 +615,9 @@ mod tests {
             .map(|(path, h)| row_meta(path, &[*h; 32], (split as i16 + 1) % 3))
             .collect();
         let mel = vec![f16::ZERO; rows.len() * row_len];
-        outputs.append(split, &mel, None, &metas).unwrap();
+        outputs
+            .append_splits(&[(split, &mel, None, &metas)])
+            .unwrap();
     }
 
     fn record(batch: &mut ManifestBatch, h: u8, at: (u8, u64), label: i16, paths: &[&str]) {

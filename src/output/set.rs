@@ -11,6 +11,10 @@ use anyhow::{ensure, Context};
 use half::f16;
 use std::path::Path;
 
+/// One split's part of a batch for [`OutputSet::append_splits`]: the split, its rows' features
+/// (and waveforms, when stored) and metadata.
+pub type SplitRows<'a> = (usize, &'a [f16], Option<&'a [f32]>, &'a [RowMeta]);
+
 pub struct OutputSet {
     /// Per split, the enabled sinks (HDF5 first, then npy).
     splits: Vec<Vec<Box<dyn SplitSink>>>,
@@ -110,22 +114,46 @@ impl OutputSet {
         self.splits[split][0].committed_rows()
     }
 
-    pub fn append(
-        &mut self,
-        split: usize,
-        mel: &[f16],
-        waveform: Option<&[f32]>,
-        meta: &[RowMeta],
-    ) -> anyhow::Result<u64> {
-        let at = concurrently(&mut self.splits[split], |sink| {
-            sink.append(mel, waveform, meta)
-        })?;
-        ensure!(
-            at.windows(2).all(|w| w[0] == w[1]),
-            "outputs of split {} out of step ({at:?})",
-            SPLITS[split]
-        );
-        Ok(at.first().copied().unwrap_or(0))
+    /// Append a batch's rows to the splits it has rows for (`(split, mel, waveform, meta)`, each
+    /// split once): every sink of every split at the same time, so one split's npy columns are
+    /// written while another's HDF5 file is (HDF5 calls still take turns on the library's lock).
+    /// Each split's sinks must agree on where its rows went.
+    pub fn append_splits(&mut self, rows: &[SplitRows<'_>]) -> anyhow::Result<()> {
+        let mut jobs: Vec<(&mut Box<dyn SplitSink>, &SplitRows<'_>)> = Vec::new();
+        for (split, sinks) in self.splits.iter_mut().enumerate() {
+            if let Some(r) = rows.iter().find(|r| r.0 == split) {
+                jobs.extend(sinks.iter_mut().map(|s| (s, r)));
+            }
+        }
+        let Some(((first, first_rows), rest)) = jobs.split_first_mut() else {
+            return Ok(());
+        };
+        let mut others: Vec<Option<anyhow::Result<u64>>> = rest.iter().map(|_| None).collect();
+        let mut own = None;
+        io_pool().in_place_scope(|scope| {
+            for ((sink, (_, mel, wave, meta)), slot) in rest.iter_mut().zip(&mut others) {
+                scope.spawn(move |_| *slot = Some(sink.append(mel, *wave, meta)));
+            }
+            let (_, mel, wave, meta) = first_rows;
+            own = Some(first.append(mel, *wave, meta));
+        });
+        let at = std::iter::once(own)
+            .chain(others)
+            .map(|r| r.expect("every sink ran"))
+            .collect::<anyhow::Result<Vec<u64>>>()?;
+        let mut k = 0;
+        for (split, sinks) in self.splits.iter().enumerate() {
+            if rows.iter().any(|r| r.0 == split) {
+                let split_at = &at[k..k + sinks.len()];
+                ensure!(
+                    split_at.windows(2).all(|w| w[0] == w[1]),
+                    "outputs of split {} out of step ({split_at:?})",
+                    SPLITS[split]
+                );
+                k += sinks.len();
+            }
+        }
+        Ok(())
     }
 
     /// The label list grew (`labels.unknown = "append"`): rewrite the label attributes.
@@ -186,10 +214,7 @@ impl OutputSet {
 
     /// [`SplitSink::start_writeback`] on every sink.
     pub fn start_writeback(&mut self) -> anyhow::Result<()> {
-        for sink in self.splits.iter_mut().flatten() {
-            sink.start_writeback()?;
-        }
-        Ok(())
+        self.on_every_sink(|sink| sink.start_writeback())
     }
 
     /// Close every sink, all at once: their closing syncs wait on the disk together. Every sink
