@@ -23,8 +23,10 @@
 #   compare  the benchmark tree rebuilt by a baseline build and by this one, whole processes
 #            taking turns, $ROUNDS rounds (default 3) on each of $DEVICES (default "cpu cuda");
 #            wall, files/s and the report's phases and stages per run
-# A baseline (the build before a change, measured in the same call): $BASE (default
-# $CARRY/base) holding its ailhd and rebuild_bench, each may be gzipped (the carry's 64 MiB).
+# Baselines (builds before a change, measured in the same call): $BASE, one folder or several
+# separated by spaces (default $CARRY/base), each holding its ailhd and rebuild_bench, which may
+# be gzipped (the carry's 64 MiB); runs are labelled by the folder's name. The ceiling and
+# latency steps take the first.
 # Results and logs go to $OUT (default /tmp/ailhd-gpu); scratch to $WORK (default /tmp/ailhd-work).
 set -uo pipefail
 CARRY=${CARRY:-.device-carry}
@@ -36,7 +38,11 @@ HERE=$(dirname "$(realpath "$0")")
 [ -x "$CARRY/ailhd" ] || { echo "no $CARRY/ailhd: run benches/gpu/prepare-carry.sh first and carry $CARRY" >&2; exit 1; }
 BIN=$(realpath "$CARRY/ailhd")
 mkdir -p "$W" "$OUT"
-for f in "$BASE"/*.gz; do [ -e "$f" ] && gunzip -f "$f" && chmod +x "${f%.gz}"; done
+read -r -a BASES <<<"$BASE"
+for b in "${BASES[@]}"; do
+    for f in "$b"/*.gz; do [ -e "$f" ] && gunzip -f "$f" && chmod +x "${f%.gz}"; done
+done
+BASE=${BASES[0]:-}
 steps=${*:-info doctor tests parity dataset bench daemon}
 failed=0
 
@@ -178,8 +184,8 @@ compare)
     find "$W/tree" -type f -exec cat {} + >/dev/null
     for dev in ${DEVICES:-cpu cuda}; do
         for round in $(seq "${ROUNDS:-3}"); do
-            for who in base new; do
-                bin=$BIN; [ $who = base ] && bin=$(realpath "$BASE/ailhd")
+            for b in "${BASES[@]}" new; do
+                who=$(basename "$b"); bin=$BIN; [ "$b" = new ] || bin=$(realpath "$b/ailhd")
                 rm -rf "$W/cmp" "$W/cmp.state"
                 c=$(conf cmp "$W/tree" "$W/cmp")
                 printf '%s --device %s round %s: ' $who "$dev" "$round"

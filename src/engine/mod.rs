@@ -653,14 +653,14 @@ impl Engine {
 
     /// Drain, commit everything, close the outputs. Returns the GPU's stage times, if any.
     pub fn finish(self) -> anyhow::Result<Option<DeviceTimes>> {
-        let (times, _) = self.stop(false)?;
+        let (times, _) = self.stop()?;
         Ok(times)
     }
 
     /// Drain, commit everything, close the outputs and the manifest, and hand back the warm
     /// featuriser for [`Engine::open_live_with`].
     pub fn suspend(self) -> anyhow::Result<Box<dyn Featuriser>> {
-        let (_, featuriser) = self.stop(true)?;
+        let (_, featuriser) = self.stop()?;
         featuriser.context("the featuriser thread stopped")
     }
 
@@ -684,10 +684,7 @@ impl Engine {
         (featuriser, manifest)
     }
 
-    /// Drain and close; `keep`: hand the featuriser back, else let it go while the outputs
-    /// close (a GPU featuriser's teardown, its context and pinned buffers, takes about a tenth
-    /// of a second: measured on an H200, docs/gpu.md).
-    fn stop(mut self, keep: bool) -> anyhow::Result<featurise::Stopped> {
+    fn stop(mut self) -> anyhow::Result<featurise::Stopped> {
         let waited = self.wait();
         self.to_featurise = None;
         let (device_times, featuriser) = match self.featurising.take() {
@@ -701,16 +698,8 @@ impl Engine {
             .join()
             .expect("commit thread panicked");
         waited?;
-        let committer = committer?;
-        if keep {
-            committer.close()?;
-            return Ok((device_times, featuriser));
-        }
-        std::thread::scope(|scope| {
-            scope.spawn(move || drop(featuriser));
-            committer.close()
-        })?;
-        Ok((device_times, None))
+        committer?.close()?;
+        Ok((device_times, featuriser))
     }
 }
 
