@@ -263,7 +263,8 @@ fn ceiling(s: &Settings, ui: &Ui) {
         })
         .unwrap_or_else(|| "unknown CPU".into());
     println!("machine: {cpu}, {threads} cores this process may use");
-    let through = |s: &Settings| rebuild_with(s, ui, None, |_| pass_through(s)).unwrap();
+    let through =
+        |s: &Settings| rebuild_with(s, ui, Default::default(), |_| pass_through(s)).unwrap();
     let warm = through(s);
     println!(
         "warm-up (pass-through): {:.0} files/s",

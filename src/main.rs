@@ -50,6 +50,10 @@ enum Command {
         /// JOB_COMPLETION_INDEX.
         #[arg(long, value_name = "I/N|auto|auto/N")]
         shard: Option<String>,
+        /// Empty the outputs when the recordings folder holds nothing (refused without it while
+        /// the outputs hold recordings: the disk may not be mounted).
+        #[arg(long)]
+        allow_empty: bool,
     },
     /// One set of outputs over several (shards, or several hosts) without copying features:
     /// HDF5 virtual datasets; one valid row per content (over the shards of one tree, the
@@ -170,9 +174,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             device: d,
             json,
             shard,
+            allow_empty,
         } => {
             ailhd::memory::release_at_once();
-            rebuild(&load_settings(&cli)?, d, *json, shard, &ui)
+            rebuild(&load_settings(&cli)?, d, *json, shard, *allow_empty, &ui)
         }
         Command::Merge {
             inputs,
@@ -235,6 +240,7 @@ fn rebuild(
     d: &Option<String>,
     json: bool,
     shard: &Option<String>,
+    allow_empty: bool,
     ui: &Ui,
 ) -> anyhow::Result<()> {
     let dev = device(d, s)?;
@@ -248,7 +254,8 @@ fn rebuild(
         ),
         None => None,
     };
-    let report = ailhd::rebuild::rebuild_shard(s, dev, &ui, shard)?;
+    let scope = ailhd::rebuild::Scope { shard, allow_empty };
+    let report = ailhd::rebuild::rebuild_shard(s, dev, &ui, scope)?;
     if json {
         println!("{}", ailhd::json::render(&report)?);
     } else {

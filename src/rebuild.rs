@@ -86,17 +86,45 @@ pub fn rebuild(
     device: DeviceChoice,
     ui: &Ui,
 ) -> anyhow::Result<RebuildReport> {
-    rebuild_shard(settings, device, ui, None)
+    rebuild_shard(settings, device, ui, Scope::default())
 }
 
 /// What start-up gives: the tree's listing, the labels the old manifest appended, the
 /// featuriser and the empty staging stores.
 type Started = (
     Vec<Found>,
-    Vec<String>,
+    Before,
     Box<dyn features::Featuriser>,
     crate::engine::BulkStores,
 );
+
+/// What the old manifest says: the labels it appended and how many recordings hold a row.
+#[derive(Default)]
+struct Before {
+    appended: Vec<String>,
+    committed: u64,
+}
+
+/// What a rebuild covers: the whole tree or one shard of it ([`rebuild_shard`]); and whether a
+/// recordings folder found empty may empty outputs that hold recordings (`--allow-empty`).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Scope {
+    pub shard: Option<Shard>,
+    pub allow_empty: bool,
+}
+
+/// The recordings folder holds nothing while the outputs hold recordings made from it: most
+/// likely a disk that is not mounted, so the rebuild stops before anything is replaced (the
+/// service takes such a folder the same way: [`crate::engine::TreeAbsent`]).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "found no recordings under {} while the outputs hold {committed} made from it: is the recordings disk mounted? Nothing was changed. If the recordings were removed on purpose, run `ailhd rebuild --allow-empty` to empty the outputs",
+    root.display()
+)]
+pub struct EmptyTree {
+    pub root: std::path::PathBuf,
+    pub committed: u64,
+}
 
 /// Start-up work runs side by side: opening the old manifest (for the labels it appended,
 /// which keep their ids across rebuilds; tens of ms while sled recovers its log), building the
@@ -108,15 +136,18 @@ fn start_up(
     make_featuriser: impl FnOnce(usize) -> anyhow::Result<Box<dyn features::Featuriser>> + Send,
 ) -> anyhow::Result<Started> {
     let threads = settings.worker_threads();
-    let (found, appended_before, featuriser, stores) = std::thread::scope(|scope| {
-        let appended_before = scope.spawn(|| -> anyhow::Result<Vec<String>> {
+    let (found, before, featuriser, stores) = std::thread::scope(|scope| {
+        let before = scope.spawn(|| -> anyhow::Result<Before> {
             let old_manifest = staging::manifest_dir(settings);
             Ok(if old_manifest.exists() {
                 let old = Manifest::open(&old_manifest)?;
                 keep_set_aside(settings, &old)?;
-                old.appended_labels()?
+                Before {
+                    appended: old.appended_labels()?,
+                    committed: old.summary().committed,
+                }
             } else {
-                Vec::new()
+                Before::default()
             })
         });
         let featuriser = scope.spawn(|| make_featuriser(threads));
@@ -131,14 +162,12 @@ fn start_up(
         let found = source::scan(&settings.paths.recordings);
         (
             found,
-            appended_before
-                .join()
-                .expect("reading the old manifest panicked"),
+            before.join().expect("reading the old manifest panicked"),
             featuriser.join().expect("featuriser start-up panicked"),
             stores.join().expect("making the staging outputs panicked"),
         )
     });
-    Ok((found?, appended_before?, featuriser?, stores?))
+    Ok((found?, before?, featuriser?, stores?))
 }
 
 /// `rebuild --shard I/N` (`shard` given): only the recordings that shard I of N owns, decided
@@ -149,9 +178,9 @@ pub fn rebuild_shard(
     settings: &Settings,
     device: DeviceChoice,
     ui: &Ui,
-    shard: Option<Shard>,
+    scope: Scope,
 ) -> anyhow::Result<RebuildReport> {
-    rebuild_with(settings, ui, shard, |threads| {
+    rebuild_with(settings, ui, scope, |threads| {
         features::build(&settings.features, &settings.gpu, device, threads)
     })
 }
@@ -162,10 +191,11 @@ pub fn rebuild_shard(
 pub fn rebuild_with(
     settings: &Settings,
     ui: &Ui,
-    shard: Option<Shard>,
+    scope: Scope,
     make_featuriser: impl FnOnce(usize) -> anyhow::Result<Box<dyn features::Featuriser>> + Send,
 ) -> anyhow::Result<RebuildReport> {
     let started = Instant::now();
+    let shard = scope.shard;
     if shard.is_some() && !settings.outputs.hdf5 {
         return Err(crate::config::ConfigError::Invalid {
             key: "outputs.hdf5".into(),
@@ -179,8 +209,17 @@ pub fn rebuild_with(
     crate::engine::manifest::set_cache_mb(settings.ingest.manifest_cache_mb);
     staging::finish_pending(settings)?;
     staging::prepare(settings)?;
-    let (mut found, appended_before, featuriser, stores) = start_up(settings, make_featuriser)?;
-    let labels = label_ids(settings, &found, &appended_before);
+    let (mut found, before, featuriser, stores) = start_up(settings, make_featuriser)?;
+    if found.is_empty() && before.committed > 0 && !scope.allow_empty {
+        drop((stores, featuriser));
+        staging::discard(settings)?;
+        return Err(EmptyTree {
+            root: settings.paths.recordings.clone(),
+            committed: before.committed,
+        }
+        .into());
+    }
+    let labels = label_ids(settings, &found, &before.appended);
     let record = shard.map(|s| {
         let record = ShardRecord::new(
             s,

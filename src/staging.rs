@@ -163,6 +163,15 @@ pub fn remove_stale(settings: &Settings) -> anyhow::Result<Vec<PathBuf>> {
     Ok(leftovers)
 }
 
+/// Remove this rebuild's own staging outputs and manifest (a rebuild that stops before its
+/// swap, holding the writer locks).
+pub fn discard(settings: &Settings) -> anyhow::Result<()> {
+    for p in [output_staging(settings), manifest_staging(settings)] {
+        remove_any(&p)?;
+    }
+    Ok(())
+}
+
 /// Where a replaced output waits for its removal: its name + `.old`.
 fn aside_path(fin: &Path) -> PathBuf {
     let mut name = fin.as_os_str().to_os_string();

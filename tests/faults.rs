@@ -333,6 +333,39 @@ fn a_chmod_has_an_unreadable_recording_read_at_once() {
     compare_with_rebuild(&world);
 }
 
+/// `rebuild` with the recordings folder empty (an unmounted disk's mount point) while the
+/// outputs hold recordings stops before replacing anything and says why; `--allow-empty`
+/// empties the outputs on purpose.
+#[test]
+fn a_rebuild_of_an_empty_recordings_folder_changes_nothing_unless_allowed() {
+    let world = World::new(FAST);
+    add(&world, 0..4);
+    ok(&world.run(&["rebuild", "--device", "cpu"]));
+    let training = world.out().join("TRAINING_DATASET.H5");
+    let before = std::fs::read(&training).unwrap();
+    let away = world.dir.path().join("away");
+    std::fs::rename(world.rec(), &away).unwrap();
+    std::fs::create_dir(world.rec()).unwrap();
+    let o = world.run(&["rebuild", "--device", "cpu"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("is the recordings disk mounted?"), "{err}");
+    assert!(err.contains(&world.rec().display().to_string()), "{err}");
+    assert_eq!(committed(&world.status_json()), 4);
+    assert!(
+        std::fs::read(&training).unwrap() == before,
+        "the outputs changed"
+    );
+    assert!(
+        !world.out().join(".ailhd-staging").exists(),
+        "the refused rebuild left its staging outputs"
+    );
+    ok(&world.run(&["rebuild", "--device", "cpu", "--allow-empty"]));
+    let s = world.status_json();
+    assert_eq!(committed(&s), 0, "{s}");
+    assert_eq!(s["splits"]["training"]["rows"].as_u64(), Some(0), "{s}");
+}
+
 /// The recordings' disk unmounted under a running service leaves an empty mount point: that is
 /// a disk not there, not every recording deleted. The service notices the folder is another one
 /// (it looks every 10 s), compares it, lets go of no row (a trainer keeps its dataset) and says

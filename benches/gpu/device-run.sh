@@ -23,6 +23,8 @@
 #   compare  the benchmark tree rebuilt by a baseline build and by this one, whole processes
 #            taking turns, $ROUNDS rounds (default 3) on each of $DEVICES (default "cpu cuda");
 #            wall, files/s and the report's phases and stages per run
+#   storage  whether the disk caps rebuild: dd's write rates where $WORK is, then the tree
+#            rebuilt by each build with its outputs there and in memory (/dev/shm)
 # Baselines (builds before a change, measured in the same call): $BASE, one folder or several
 # separated by spaces (default $CARRY/base), each holding its ailhd and rebuild_bench, which may
 # be gzipped (the carry's 64 MiB); runs are labelled by the folder's name. The ceiling and
@@ -69,6 +71,17 @@ timed() {
     [ -f "$log.rss" ] && printf ', %s KB peak RSS' "$(tail -1 "$log.rss")"
     [ $rc -eq 0 ] || { printf ' FAILED (exit %s)' $rc; failed=1; }
     echo
+}
+
+# summarise REPORT: one line of a `rebuild --json` report (files/s, phases, stages per file).
+summarise() {
+    python3 -c '
+import json, sys
+r = json.load(open(sys.argv[1]))
+f = r["files"]
+print("   %d files, %.0f files/s; phases %s; us/file %s" % (f, f / r["elapsed_s"],
+      " ".join("%s %.3f" % kv for kv in r["phases_s"].items()),
+      " ".join("%s %.1f" % (k, v * 1e6 / f) for k, v in r["stages_s"].items())))' "$1" 2>&1 | cut -c1-400
 }
 
 for step in $steps; do
@@ -190,17 +203,36 @@ compare)
                 c=$(conf cmp "$W/tree" "$W/cmp")
                 printf '%s --device %s round %s: ' $who "$dev" "$round"
                 timed "$OUT/cmp-$who-$dev-$round.json" "$bin" --config "$c" rebuild --device "$dev" --json
-                python3 -c '
-import json, sys
-r = json.load(open(sys.argv[1]))
-f = r["files"]
-print("   %d files, %.0f files/s; phases %s; us/file %s" % (f, f / r["elapsed_s"],
-      " ".join("%s %.3f" % kv for kv in r["phases_s"].items()),
-      " ".join("%s %.1f" % (k, v * 1e6 / f) for k, v in r["stages_s"].items())))' \
-                    "$OUT/cmp-$who-$dev-$round.json" 2>&1 | cut -c1-400
+                summarise "$OUT/cmp-$who-$dev-$round.json"
             done
         done
     done
+    ;;
+storage)
+    # Whether the disk caps `rebuild`: dd's write rates on the work folder's file system (through
+    # the page cache with a closing fdatasync, and O_DIRECT), then the benchmark tree rebuilt
+    # with the outputs and state there and in memory (/dev/shm), every build in turn.
+    [ -d "$W/tree" ] || { echo "no tree: run the dataset step first"; failed=1; continue; }
+    df -h "$W" /dev/shm | sed 1d
+    printf 'dd 2 GiB, page cache + fdatasync: '; dd if=/dev/zero of="$W/dd" bs=2M count=1024 conv=fdatasync 2>&1 | tail -1
+    printf 'dd 2 GiB, O_DIRECT: '; dd if=/dev/zero of="$W/dd" bs=2M count=1024 oflag=direct 2>&1 | tail -1
+    rm -f "$W/dd"
+    find "$W/tree" -type f -exec cat {} + >/dev/null
+    for round in 1 2; do
+        for place in "$W" /dev/shm; do
+            for dev in ${DEVICES:-cpu cuda}; do
+                for b in "${BASES[@]}" new; do
+                    who=$(basename "$b"); bin=$BIN; [ "$b" = new ] || bin=$(realpath "$b/ailhd")
+                    rm -rf "$place/sto" "$place/sto.state"
+                    c=$(conf sto "$W/tree" "$place/sto")
+                    printf '%s --device %s, outputs in %s, round %s: ' "$who" "$dev" "$place" $round
+                    timed "$OUT/sto-$who-$dev-${place//\//_}-$round.json" "$bin" --config "$c" rebuild --device "$dev" --json
+                    summarise "$OUT/sto-$who-$dev-${place//\//_}-$round.json"
+                done
+            done
+        done
+    done
+    rm -rf /dev/shm/sto /dev/shm/sto.state
     ;;
 *)
     echo "unknown step $step"; failed=1

@@ -429,7 +429,7 @@ _ailhd() {
             return 0
             ;;
         ailhd__subcmd__rebuild)
-            opts="-h --device --json --shard --config --verbose --debug --help"
+            opts="-h --device --json --shard --allow-empty --config --verbose --debug --help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0

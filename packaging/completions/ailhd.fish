@@ -51,6 +51,7 @@ cuda\t''"
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l shard -d 'Only the recordings of shard I of N (by a hash of the path, I from 0; each shard reads only its own files), for a scheduler\'s array job; `auto` or `auto/N` take I (and N) from SLURM_ARRAY_TASK_ID/_COUNT or JOB_COMPLETION_INDEX' -r
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l config -d 'Configuration file (else $AILHD_CONFIG, else /etc/ailhd/ailhd.toml, else built-in defaults)' -r -F
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l json -d 'Print the report as JSON'
+complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l allow-empty -d 'Empty the outputs when the recordings folder holds nothing (refused without it while the outputs hold recordings: the disk may not be mounted)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l verbose -d 'Say more (info messages)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l debug -d 'Say everything (debug messages)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -s h -l help -d 'Print help'

@@ -23,7 +23,8 @@ pub struct Reconciliation {
 /// that is not there (not mounted, say: its mount point is an empty folder), not as every
 /// recording deleted: the comparison removes nothing, and a trainer keeps its rows. The watch
 /// still reports deletions one by one as they happen; to drop every row of an emptied tree,
-/// `ailhd rebuild` makes the outputs anew from it.
+/// `ailhd rebuild --allow-empty` makes the outputs anew from it (a plain `rebuild` refuses an
+/// empty folder the same way: [`crate::rebuild::EmptyTree`]).
 #[derive(Debug)]
 pub struct TreeAbsent {
     pub root: std::path::PathBuf,
@@ -33,7 +34,7 @@ impl std::fmt::Display for TreeAbsent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "the recordings folder {} is empty while the manifest knows recordings: taken as a disk that is not there (not mounted?), not as every recording deleted, so no row is let go; the tree is compared again at the next rescan (`ingest.rescan_interval_s`), a reload or a restart. To drop every row of an emptied tree, run `ailhd rebuild`",
+            "the recordings folder {} is empty while the manifest knows recordings: taken as a disk that is not there (not mounted?), not as every recording deleted, so no row is let go; the tree is compared again at the next rescan (`ingest.rescan_interval_s`), a reload or a restart. To drop every row of an emptied tree, stop the service and run `ailhd rebuild --allow-empty`",
             self.root.display()
         )
     }
