@@ -47,9 +47,7 @@ fn moves(settings: &Settings) -> Vec<(PathBuf, PathBuf)> {
 /// Clear leftovers of an interrupted rebuild (never the journal's business: call
 /// [`finish_pending`] first) and prepare empty staging places.
 pub fn prepare(settings: &Settings) -> anyhow::Result<()> {
-    for dir in [output_staging(settings), manifest_staging(settings)] {
-        remove_any(&dir)?;
-    }
+    discard(settings)?;
     std::fs::create_dir_all(output_staging(settings))
         .with_context(|| format!("cannot create {}", output_staging(settings).display()))?;
     Ok(())
@@ -163,8 +161,8 @@ pub fn remove_stale(settings: &Settings) -> anyhow::Result<Vec<PathBuf>> {
     Ok(leftovers)
 }
 
-/// Remove this rebuild's own staging outputs and manifest (a rebuild that stops before its
-/// swap, holding the writer locks).
+/// Remove the staging outputs and manifest (a rebuild's leftovers, or its own when it stops
+/// before its swap), holding the writer locks.
 pub fn discard(settings: &Settings) -> anyhow::Result<()> {
     for p in [output_staging(settings), manifest_staging(settings)] {
         remove_any(&p)?;

@@ -125,33 +125,18 @@ impl OutputSet {
                 jobs.extend(sinks.iter_mut().map(|s| (s, r)));
             }
         }
-        let Some(((first, first_rows), rest)) = jobs.split_first_mut() else {
-            return Ok(());
-        };
-        let mut others: Vec<Option<anyhow::Result<u64>>> = rest.iter().map(|_| None).collect();
-        let mut own = None;
-        io_pool().in_place_scope(|scope| {
-            for ((sink, (_, mel, wave, meta)), slot) in rest.iter_mut().zip(&mut others) {
-                scope.spawn(move |_| *slot = Some(sink.append(mel, *wave, meta)));
-            }
-            let (_, mel, wave, meta) = first_rows;
-            own = Some(first.append(mel, *wave, meta));
-        });
-        let at = std::iter::once(own)
-            .chain(others)
-            .map(|r| r.expect("every sink ran"))
-            .collect::<anyhow::Result<Vec<u64>>>()?;
-        let mut k = 0;
-        for (split, sinks) in self.splits.iter().enumerate() {
-            if rows.iter().any(|r| r.0 == split) {
-                let split_at = &at[k..k + sinks.len()];
-                ensure!(
-                    split_at.windows(2).all(|w| w[0] == w[1]),
-                    "outputs of split {} out of step ({split_at:?})",
-                    SPLITS[split]
-                );
-                k += sinks.len();
-            }
+        let at = concurrently(&mut jobs, |(sink, (_, mel, wave, meta))| {
+            sink.append(mel, *wave, meta)
+        })?;
+        // Results in job order, so each split's sinks are side by side.
+        let placed: Vec<(usize, u64)> = jobs.iter().map(|(_, r)| r.0).zip(at).collect();
+        for split in placed.chunk_by(|a, b| a.0 == b.0) {
+            let split_at: Vec<u64> = split.iter().map(|&(_, at)| at).collect();
+            ensure!(
+                split_at.windows(2).all(|w| w[0] == w[1]),
+                "outputs of split {} out of step ({split_at:?})",
+                SPLITS[split[0].0]
+            );
         }
         Ok(())
     }
@@ -209,7 +194,7 @@ impl OutputSet {
             .flatten()
             .map(|s| &mut **s as &mut dyn SplitSink)
             .collect();
-        concurrently(&mut all, f).map(drop)
+        concurrently(&mut all, |sink| f(&mut **sink)).map(drop)
     }
 
     /// [`SplitSink::start_writeback`] on every sink.
@@ -256,31 +241,31 @@ pub fn io_pool() -> &'static rayon::ThreadPool {
     })
 }
 
-/// `f` on every sink at once: the first on this thread, the others on [`io_pool`] (HDF5 calls
-/// serialise on the library's lock; npy and fsyncs run beside them). Results in sink order; the
-/// first error wins.
+/// `f` on every item (a sink, or a sink with its work) at once: the first on this thread, the
+/// others on [`io_pool`] (HDF5 calls serialise on the library's lock; npy and fsyncs run beside
+/// them). Results in item order; the first error wins.
 fn concurrently<S, T>(
-    sinks: &mut [S],
-    f: impl Fn(&mut dyn SplitSink) -> anyhow::Result<T> + Sync,
+    items: &mut [S],
+    f: impl Fn(&mut S) -> anyhow::Result<T> + Sync,
 ) -> anyhow::Result<Vec<T>>
 where
-    S: std::ops::DerefMut<Target = dyn SplitSink> + Send,
+    S: Send,
     T: Send,
 {
-    let Some((first, rest)) = sinks.split_first_mut() else {
+    let Some((first, rest)) = items.split_first_mut() else {
         return Ok(Vec::new());
     };
     let f = &f;
     let mut others: Vec<Option<anyhow::Result<T>>> = rest.iter().map(|_| None).collect();
     let mut own = None;
     io_pool().in_place_scope(|scope| {
-        for (sink, slot) in rest.iter_mut().zip(&mut others) {
-            scope.spawn(move |_| *slot = Some(f(&mut **sink)));
+        for (item, slot) in rest.iter_mut().zip(&mut others) {
+            scope.spawn(move |_| *slot = Some(f(item)));
         }
-        own = Some(f(&mut **first));
+        own = Some(f(first));
     });
     std::iter::once(own)
         .chain(others)
-        .map(|r| r.expect("every sink ran"))
+        .map(|r| r.expect("every item ran"))
         .collect()
 }
