@@ -7,7 +7,7 @@
 //! files/s and ratio, the phases of the median run, time per stage and how busy each stage's
 //! threads were, and peak memory.
 //!
-//! cargo bench --bench rebuild [-- N]
+//! cargo bench --bench rebuild [-- N]   (also `-- --ceiling [N]`, `-- --processes [N]`)
 //!
 //! `-- --ceiling [N]` measures what the host pipeline can do when featurising costs next to
 //! nothing, as on a GPU host: the real engine (scan, read, hash, decode, decide, HDF5 + npy
@@ -17,6 +17,13 @@
 //! median run, how busy each stage was, and the rate the measured per-stage costs predict for
 //! 4, 8 and 16 cores with the stage that would cap it. Run it under `taskset -c 0-3` etc. to
 //! measure core scaling (the engine sizes its threads from the cores it may use).
+//!
+//! `-- --processes [N]` times what a user waits for: the release `ailhd rebuild --device cpu`
+//! and the numpy + h5py baseline as whole processes (exec to exit, Python's imports included),
+//! and `ailhd rebuild` held to one core, taking turns five times on the same tree (its page cache
+//! warmed before each run); prints the medians' files/s, the ratio to the baseline, the CPU time
+//! of the `ailhd` process per file (user + system, from the kernel's accounting of the waited
+//! child), and how much faster all cores are than one.
 
 mod common;
 
@@ -37,6 +44,7 @@ fn main() {
         .find_map(|a| a.parse().ok())
         .unwrap_or(5000);
     let ceiling_mode = std::env::args().any(|a| a == "--ceiling");
+    let processes_mode = std::env::args().any(|a| a == "--processes");
     let dir = tempfile::tempdir().unwrap();
     let labels = ["BACKGROUND", "CRACK", "LEAK", "NORMAL", "UNCLASSIFIED"];
     let t = Instant::now();
@@ -57,6 +65,10 @@ fn main() {
     let ui = Ui { progress: false };
     if ceiling_mode {
         ceiling(&s, &ui);
+        return;
+    }
+    if processes_mode {
+        processes(dir.path(), files);
         return;
     }
     // First run warms the page cache (and the allocator); then ailhd and the baseline take
@@ -251,18 +263,157 @@ fn median_run(mut runs: Vec<RebuildReport>) -> RebuildReport {
     runs.swap_remove(runs.len() / 2)
 }
 
-/// `--ceiling`: the pass-through pipeline and the real CPU one, taking turns.
-fn ceiling(s: &Settings, ui: &Ui) {
-    let threads = s.worker_threads();
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+/// One finished child process: wall seconds from spawn to exit, and its CPU seconds (user +
+/// system).
+struct Timed {
+    wall: f64,
+    cpu: f64,
+}
+
+/// User + system seconds of every waited-for child of this process so far.
+fn children_cpu() -> f64 {
+    // SAFETY: getrusage fills the struct it is given.
+    let u = unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_CHILDREN, &mut u);
+        u
+    };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(u.ru_utime) + secs(u.ru_stime)
+}
+
+/// Run `cmd` to its exit (its output discarded; a failure ends the benchmark with its stderr).
+fn time_process(mut cmd: std::process::Command) -> Timed {
+    let cpu0 = children_cpu();
+    let t = Instant::now();
+    let o = cmd
+        .stdout(std::process::Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    let wall = t.elapsed().as_secs_f64();
+    assert!(
+        o.status.success(),
+        "{cmd:?} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Timed {
+        wall,
+        cpu: children_cpu() - cpu0,
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// `--processes`: `ailhd rebuild` on every core, the numpy baseline, and `ailhd rebuild` on one
+/// core, as whole processes taking turns.
+fn processes(dir: &std::path::Path, files: usize) {
+    use std::os::unix::process::CommandExt;
+    let cfg = dir.join("ailhd.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[paths]\nrecordings = {:?}\noutput = {:?}\nstate = {:?}\n",
+            dir.join("rec"),
+            dir.join("out"),
+            dir.join("state")
+        ),
+    )
+    .unwrap();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "machine: {}, {cores} cores this process may use",
+        cpu_model()
+    );
+    let ailhd = |one_core: bool| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_ailhd"));
+        c.arg("--config")
+            .arg(&cfg)
+            .args(["rebuild", "--device", "cpu"]);
+        if one_core {
+            // SAFETY: only an async-signal-safe system call between fork and exec.
+            unsafe {
+                c.pre_exec(|| {
+                    let mut set: libc::cpu_set_t = std::mem::zeroed();
+                    libc::CPU_SET(0, &mut set);
+                    if libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        c
+    };
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/numpy_baseline.py");
+    let numpy = || {
+        let mut c = std::process::Command::new("python3");
+        c.arg(&script)
+            .arg(dir.join("rec"))
+            .arg(dir.join("baseline.h5"));
+        c
+    };
+    warm_cache(&dir.join("rec"));
+    time_process(ailhd(false));
+    let (mut all, mut base, mut one) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 1..=5 {
+        let run = |cmd| {
+            warm_cache(&dir.join("rec"));
+            time_process(cmd)
+        };
+        let (a, b, o) = (run(ailhd(false)), run(numpy()), run(ailhd(true)));
+        println!(
+            "round {round}: ailhd {:.3} s ({:.1} s CPU)   numpy+h5py {:.3} s   ailhd on one core {:.3} s",
+            a.wall, a.cpu, b.wall, o.wall
+        );
+        all.push(a);
+        base.push(b);
+        one.push(o);
+    }
+    let wall = |v: &[Timed]| median(v.iter().map(|t| t.wall).collect());
+    let cpu_us = |v: &[Timed]| median(v.iter().map(|t| t.cpu).collect()) * 1e6 / files as f64;
+    let (a, b, o) = (wall(&all), wall(&base), wall(&one));
+    let rate = |secs: f64| files as f64 / secs;
+    println!("whole processes, {files} files, medians of 5:");
+    println!(
+        "  ailhd rebuild ({cores} cores)   {a:.3} s  {:>7.0} files/s  CPU {:.0} us/file",
+        rate(a),
+        cpu_us(&all)
+    );
+    println!(
+        "  ailhd rebuild (1 core)    {o:.3} s  {:>7.0} files/s  CPU {:.0} us/file",
+        rate(o),
+        cpu_us(&one)
+    );
+    println!(
+        "  numpy+h5py baseline       {b:.3} s  {:>7.0} files/s  CPU {:.0} us/file",
+        rate(b),
+        cpu_us(&base)
+    );
+    println!("ratio ailhd / numpy baseline: {:.1}x", b / a);
+    println!("1 -> {cores} cores: {:.2}x", o / a);
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|t| {
             t.lines()
                 .find(|l| l.starts_with("model name"))
                 .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
         })
-        .unwrap_or_else(|| "unknown CPU".into());
-    println!("machine: {cpu}, {threads} cores this process may use");
+        .unwrap_or_else(|| "unknown CPU".into())
+}
+
+/// `--ceiling`: the pass-through pipeline and the real CPU one, taking turns.
+fn ceiling(s: &Settings, ui: &Ui) {
+    let threads = s.worker_threads();
+    println!(
+        "machine: {}, {threads} cores this process may use",
+        cpu_model()
+    );
     let through =
         |s: &Settings| rebuild_with(s, ui, Default::default(), |_| pass_through(s)).unwrap();
     let warm = through(s);
