@@ -94,15 +94,7 @@ fn main() {
     let state = dir.path().join("state");
     let out = dir.path().join("out");
     std::fs::create_dir_all(rec.join("LEAK")).unwrap();
-    let cfg = dir.path().join("ailhd.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[paths]\nrecordings = {:?}\noutput = {:?}\nstate = {:?}\n[ingest]\ndevice = \"cpu\"\nrescan_interval_s = 0\n",
-            rec, out, state
-        ),
-    )
-    .unwrap();
+    let cfg = common::write_config(dir.path());
     let mut child: Child = Command::new(bin())
         .arg("--config")
         .arg(&cfg)

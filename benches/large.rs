@@ -17,6 +17,8 @@
 //!
 //! cargo bench --bench large [-- SIZE_MB [STREAM_FILES]]
 
+mod common;
+
 use std::os::unix::fs::FileExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -40,16 +42,7 @@ impl World {
     fn new(parent: &Path, name: &str) -> World {
         let dir = parent.join(name);
         std::fs::create_dir_all(dir.join("rec")).unwrap();
-        std::fs::write(
-            dir.join("ailhd.toml"),
-            format!(
-                "[paths]\nrecordings = {:?}\noutput = {:?}\nstate = {:?}\n[ingest]\ndevice = \"cpu\"\nrescan_interval_s = 0\n",
-                dir.join("rec"),
-                dir.join("out"),
-                dir.join("state")
-            ),
-        )
-        .unwrap();
+        common::write_config(&dir);
         World { dir }
     }
     fn rec(&self) -> PathBuf {

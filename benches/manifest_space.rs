@@ -183,14 +183,7 @@ fn main() {
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(200_000);
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_default();
+    let cpu = common::cpu_model();
     println!("# manifest space, {n} recordings; {cpu}");
     let empty = tempfile::tempdir().expect("temporary folder");
     let before = rss_mb();

@@ -75,7 +75,6 @@ fn main() {
     // turns, three times each, and the medians are compared (the machine's load drifts).
     let warm = rebuild(&s, DeviceChoice::Cpu, &ui).unwrap();
     println!("warm-up rebuild: {:.0} files/s", warm.files_per_sec());
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/numpy_baseline.py");
     let mut runs = Vec::new();
     let mut baseline = Vec::new();
     for round in 1..=3 {
@@ -84,11 +83,7 @@ fn main() {
         print!("round {round}: ailhd {:>6.0} files/s", r.files_per_sec());
         runs.push(r);
         warm_cache(&s.paths.recordings);
-        match numpy_baseline(
-            &script,
-            &dir.path().join("rec"),
-            &dir.path().join("baseline.h5"),
-        ) {
+        match numpy_baseline(dir.path()) {
             Ok(rate) => {
                 println!("   numpy+h5py {rate:>6.0} files/s");
                 baseline.push(rate);
@@ -136,12 +131,9 @@ fn main() {
         peak_rss_mb()
     );
     if !baseline.is_empty() {
-        baseline.sort_by(f64::total_cmp);
-        let b = baseline[baseline.len() / 2];
-        println!(
-            "numpy+h5py baseline: {b:.0} files/s (median of {})",
-            baseline.len()
-        );
+        let runs = baseline.len();
+        let b = median(baseline);
+        println!("numpy+h5py baseline: {b:.0} files/s (median of {runs})");
         println!(
             "ratio ailhd / numpy baseline: {:.1}x",
             r.files_per_sec() / b
@@ -162,16 +154,19 @@ fn warm_cache(tree: &std::path::Path) {
     }
 }
 
+/// The numpy + h5py baseline (benches/numpy_baseline.py) on the tree `dir/rec`, writing
+/// `dir/baseline.h5`.
+fn numpy_command(dir: &std::path::Path) -> std::process::Command {
+    let mut c = std::process::Command::new("python3");
+    c.arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/numpy_baseline.py"))
+        .arg(dir.join("rec"))
+        .arg(dir.join("baseline.h5"));
+    c
+}
+
 /// One run of the numpy + h5py baseline; its files/s.
-fn numpy_baseline(
-    script: &std::path::Path,
-    tree: &std::path::Path,
-    out: &std::path::Path,
-) -> Result<f64, String> {
-    let o = std::process::Command::new("python3")
-        .arg(script)
-        .arg(tree)
-        .arg(out)
+fn numpy_baseline(dir: &std::path::Path) -> Result<f64, String> {
+    let o = numpy_command(dir)
         .output()
         .map_err(|e| format!("python3: {e}"))?;
     if !o.status.success() {
@@ -311,21 +306,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// core, as whole processes taking turns.
 fn processes(dir: &std::path::Path, files: usize) {
     use std::os::unix::process::CommandExt;
-    let cfg = dir.join("ailhd.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[paths]\nrecordings = {:?}\noutput = {:?}\nstate = {:?}\n",
-            dir.join("rec"),
-            dir.join("out"),
-            dir.join("state")
-        ),
-    )
-    .unwrap();
+    let cfg = common::write_config(dir);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "machine: {}, {cores} cores this process may use",
-        cpu_model()
+        common::cpu_model()
     );
     let ailhd = |one_core: bool| {
         let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_ailhd"));
@@ -347,14 +332,6 @@ fn processes(dir: &std::path::Path, files: usize) {
         }
         c
     };
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/numpy_baseline.py");
-    let numpy = || {
-        let mut c = std::process::Command::new("python3");
-        c.arg(&script)
-            .arg(dir.join("rec"))
-            .arg(dir.join("baseline.h5"));
-        c
-    };
     warm_cache(&dir.join("rec"));
     time_process(ailhd(false));
     let (mut all, mut base, mut one) = (Vec::new(), Vec::new(), Vec::new());
@@ -363,7 +340,7 @@ fn processes(dir: &std::path::Path, files: usize) {
             warm_cache(&dir.join("rec"));
             time_process(cmd)
         };
-        let (a, b, o) = (run(ailhd(false)), run(numpy()), run(ailhd(true)));
+        let (a, b, o) = (run(ailhd(false)), run(numpy_command(dir)), run(ailhd(true)));
         println!(
             "round {round}: ailhd {:.3} s ({:.1} s CPU)   numpy+h5py {:.3} s   ailhd on one core {:.3} s",
             a.wall, a.cpu, b.wall, o.wall
@@ -396,23 +373,12 @@ fn processes(dir: &std::path::Path, files: usize) {
     println!("1 -> {cores} cores: {:.2}x", o / a);
 }
 
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
-}
-
 /// `--ceiling`: the pass-through pipeline and the real CPU one, taking turns.
 fn ceiling(s: &Settings, ui: &Ui) {
     let threads = s.worker_threads();
     println!(
         "machine: {}, {threads} cores this process may use",
-        cpu_model()
+        common::cpu_model()
     );
     let through =
         |s: &Settings| rebuild_with(s, ui, Default::default(), |_| pass_through(s)).unwrap();
