@@ -131,11 +131,11 @@ impl OutputSet {
         // Results in job order, so each split's sinks are side by side.
         let placed: Vec<(usize, u64)> = jobs.iter().map(|(_, r)| r.0).zip(at).collect();
         for split in placed.chunk_by(|a, b| a.0 == b.0) {
-            let split_at: Vec<u64> = split.iter().map(|&(_, at)| at).collect();
             ensure!(
-                split_at.windows(2).all(|w| w[0] == w[1]),
-                "outputs of split {} out of step ({split_at:?})",
-                SPLITS[split[0].0]
+                split.windows(2).all(|w| w[0].1 == w[1].1),
+                "outputs of split {} out of step ({:?})",
+                SPLITS[split[0].0],
+                split.iter().map(|&(_, at)| at).collect::<Vec<u64>>()
             );
         }
         Ok(())
