@@ -273,8 +273,14 @@ impl NpySink {
         sync_dir(&self.dir)
     }
 
-    /// Appended rows and in-place edits of every column durable on disk.
+    /// Appended rows and in-place edits of every column durable on disk. Every column's pages
+    /// are queued for writing first, so that the disk writes them together and the first
+    /// `fdatasync`'s journal commit covers the others' new sizes too: the syncs that follow
+    /// mostly find nothing left to write.
     fn sync_data(&self) -> Result<()> {
+        for c in &self.cols {
+            super::start_writeback(c.file.as_raw_fd(), &c.path)?;
+        }
         for c in &self.cols {
             if let Some(m) = &c.edit_map {
                 m.flush()
