@@ -273,14 +273,22 @@ impl NpySink {
         sync_dir(&self.dir)
     }
 
-    /// Appended rows and in-place edits of every column durable on disk. Every column's pages
-    /// are queued for writing first, so that the disk writes them together and the first
-    /// `fdatasync`'s journal commit covers the others' new sizes too: the syncs that follow
-    /// mostly find nothing left to write.
-    fn sync_data(&self) -> Result<()> {
+    /// Start writing every column's dirty pages to disk without waiting
+    /// (`sync_file_range(SYNC_FILE_RANGE_WRITE)`).
+    fn queue_writeback(&self) -> Result<()> {
         for c in &self.cols {
             super::start_writeback(c.file.as_raw_fd(), &c.path)?;
         }
+        Ok(())
+    }
+
+    /// Appended rows and in-place edits of every column durable on disk. Every column's pages
+    /// are queued for writing first ([`NpySink::queue_writeback`]), so that the disk writes them
+    /// together and the syncs after the first find little left to do (presumably because its
+    /// journal commit also covers the other columns' new sizes; measured in docs/benchmarks.md,
+    /// "The npy commit's syncs").
+    fn sync_data(&self) -> Result<()> {
+        self.queue_writeback()?;
         for c in &self.cols {
             if let Some(m) = &c.edit_map {
                 m.flush()
@@ -539,10 +547,7 @@ impl SplitSink for NpySink {
     }
 
     fn start_writeback(&mut self) -> Result<()> {
-        for c in &self.cols {
-            super::start_writeback(c.file.as_raw_fd(), &c.path)?;
-        }
-        Ok(())
+        self.queue_writeback()
     }
 }
 
