@@ -47,7 +47,7 @@ pub struct ParityResult {
     pub setup: String,
     pub row_dims: [usize; 4],
     pub status: ParityStatus,
-    /// The GPU featuriser's name ("cuda:<gpu>"), when it started.
+    /// The GPU featuriser's name (`cuda:<gpu>`), when it started.
     pub device: Option<String>,
     pub recordings: usize,
     /// GPU rows against the reference, all recordings together (`mel::check_accuracy`).

@@ -31,6 +31,11 @@
 //!
 //! Around them: [`config`], [`lock`] (one writer), [`migrate`] (schema versions), [`logging`],
 //! [`json`] (what `--json` prints).
+
+// The library serves the binary and its tests; its docs are for the people working on it and are
+// built with the private items (`cargo doc --document-private-items`, checked by `.ci/run`), so
+// public items may link to private ones.
+#![allow(rustdoc::private_intra_doc_links)]
 pub mod config;
 pub mod decode;
 pub mod demo;

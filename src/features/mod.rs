@@ -14,7 +14,7 @@ use half::f16;
 /// Turns a batch of decoded recordings into rows. Implementations are built once (warm: FFT
 /// plans, filterbank, device buffers) and reused for every batch.
 pub trait Featuriser: Send {
-    /// "cpu" or "cuda:<gpu name>", for logs and `status`.
+    /// `cpu` or `cuda:<gpu name>`, for logs and `status`.
     fn name(&self) -> String;
     fn shape(&self) -> FeatureShape;
     /// Featurise `batch`; `out` holds `batch.len() * shape().row_len()` values, row i at

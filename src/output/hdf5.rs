@@ -883,7 +883,7 @@ fn file_access(header: &OutputHeader, staged: bool) -> Result<FileAccess> {
 }
 
 /// Open an existing file read-write; a file HDF5 refuses (HDF5's "file is already open for
-/// write (may use <h5clear file> ...)", or "file is not already open for SWMR writing": a writer
+/// write (may use `h5clear file` ...)", or "file is not already open for SWMR writing": a writer
 /// without SWMR was killed, as a recovery's plain open was) is tried once more with the status
 /// flags cleared.
 fn open_rw_recovering(path: &Path, header: &OutputHeader) -> Result<File> {

@@ -1,6 +1,6 @@
 //! Write: rows -> the per-split outputs (docs/reading.md, "Layout on disk"): one HDF5 file per split
-//! ([`hdf5`]) and `npy/<split>/` column files ([`npy`]). Both implement [`SplitSink`]; a
-//! [`SplitOutputs`] drives the enabled ones together so they always hold the same rows.
+//! ([`hdf5`]) and `npy/<split>/` column files ([`npy`]). Both implement [`SplitSink`]; an
+//! [`set::OutputSet`] drives the enabled ones together so they always hold the same rows.
 
 pub mod direct;
 pub mod hdf5;

@@ -6,7 +6,7 @@
 pub(super) const LANES: usize = 8;
 pub(super) type Lanes = [f32; LANES];
 
-/// The element type of an FFT: f32 or f64 (see [`Precision`](super::Precision)).
+/// The element type of an FFT: f32 or f64 (see [`Precision`](crate::features::Precision)).
 pub(super) trait Real:
     Copy
     + Default

@@ -23,7 +23,7 @@ use std::sync::Arc;
 pub struct CudaFeaturiser {
     pub(super) shape: FeatureShape,
     pub(super) geometry: Geometry,
-    /// "cuda:<gpu name>".
+    /// `cuda:<gpu name>`.
     pub(super) name: String,
     /// Recordings per chunk (see [`chunk_files_for`]); bigger batches are pipelined chunk by chunk.
     pub(super) chunk_files: usize,

@@ -31,7 +31,7 @@ pub struct LibraryStatus {
     /// Where that library is on disk.
     pub path: Option<String>,
     /// How it was found: "gpu.library_path", "the dynamic loader" (system folders, ldconfig,
-    /// LD_LIBRARY_PATH) or "Python site-packages (<how that folder was found>)".
+    /// LD_LIBRARY_PATH) or `Python site-packages (<how that folder was found>)`.
     pub found_by: Option<String>,
     /// NVRTC only: its builtins library (`libnvrtc-builtins.so.<major>.<minor>`), which NVRTC
     /// loads when it compiles, found beside it.

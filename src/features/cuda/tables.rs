@@ -73,7 +73,7 @@ pub struct KernelTables {
     pub window_f64: Vec<f64>,
     /// First FFT bin of each mel filter.
     pub mel_start: Vec<i32>,
-    /// Filter m's weights are mel_weights[mel_offset[m]..mel_offset[m + 1]]; n_mels + 1 values.
+    /// Filter m's weights are `mel_weights[mel_offset[m]..mel_offset[m + 1]]`; n_mels + 1 values.
     pub mel_offset: Vec<i32>,
     pub mel_weights: Vec<f32>,
 }
@@ -175,7 +175,7 @@ impl KernelTables {
 }
 
 /// Recordings per chunk: as many as the frames budget allows, a power of two (a whole number of
-/// [`PLAN_FILES`] groups), at most [`MAX_CHUNK_FILES`].
+/// [`PLAN_FILES`](super::PLAN_FILES) groups), at most [`MAX_CHUNK_FILES`].
 pub(super) fn chunk_files_for(geometry: &Geometry) -> usize {
     let per_file = (geometry.frames_per_file as usize * geometry.n_fft as usize).max(1);
     let files = (FRAME_BUDGET_SAMPLES / per_file).clamp(1, MAX_CHUNK_FILES);
