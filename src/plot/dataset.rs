@@ -8,7 +8,7 @@
 //!   file name (the outputs keep no commit time; rows without a time are counted in the caption).
 //!
 //! Everything but the title comes from the outputs' own columns, read as a trainer reads them
-//! (see [`crate::output::read`]); the title's file counts and writer come from the status report ([`Title`]).
+//! (see [`Columns`]); the title's file counts and writer come from the status report ([`Title`]).
 
 use super::{draw_lines, err, palette, Area, FONT, OUT_OF_WATER};
 use crate::output::read::Columns;
