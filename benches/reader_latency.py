@@ -16,6 +16,11 @@ usage: python3 benches/reader_latency.py BIN [BIN ...] [--rate 100] [--seconds 2
 
 `--idle-first S`: in the first round, the service idles S seconds after its first row before the
 stream (it closes its files after `ingest.idle_close_s`, 60 s by default), as after a quiet spell.
+
+Beside each stream a probe process sleeps 1 ms at a time and notes every wake-up more than 20 ms
+late: a stall of the whole machine (this VM's host, say) shows there too, one of the service
+alone does not. Each run prints how many such gaps there were, and whether one overlapped the
+slowest recording's wait.
 """
 import argparse
 import os
@@ -49,6 +54,28 @@ def cpu_model():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor()
+
+
+# The machine-stall probe: a process of its own (not a thread of this one, which the reader's
+# loop keeps busy), printing the CLOCK_MONOTONIC start and length of every late wake-up.
+PROBE = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+t = time.monotonic()
+while True:
+    time.sleep(0.001)
+    n = time.monotonic()
+    if n - t > 0.020:
+        print(f"{t:.4f} {(n - t) * 1e3:.1f}", flush=True)
+    t = n
+"""
+
+
+def machine_gaps(probe):
+    """Stop the probe; its late wake-ups as (start, ms)."""
+    probe.send_signal(signal.SIGTERM)
+    out, _ = probe.communicate(timeout=10)
+    return [(float(t), float(ms)) for t, ms in (line.split() for line in out.splitlines())]
 
 
 def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), idle=0.0):
@@ -94,6 +121,7 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), 
                     os.rename(tmp, os.path.join(rec, rel))
                     time.sleep(max(0.0, t0 + (i + 1) / rate - time.monotonic()))
 
+            probe = subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, text=True)
             feeder = threading.Thread(target=feed)
             feeder.start()
             done = [int(f["committed_rows"][0]) for f in files]
@@ -114,6 +142,7 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), 
                         done[k] = c
                 time.sleep(0.001)
             feeder.join()
+            gaps = machine_gaps(probe)
             for f in files:
                 f.close()
         finally:
@@ -121,7 +150,8 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), 
             svc.wait(timeout=60)
             log.close()
             if log_dir:
-                # The service's log and each recording's (renamed, seen) times, for a look at a tail.
+                # The service's log and each recording's (renamed, seen) times, for a look at a
+                # tail (CLOCK_MONOTONIC too, to line them up with other probes of the machine).
                 tag = f"{device}-{rate:g}-{seed}"
                 os.makedirs(log_dir, exist_ok=True)
                 with open(os.path.join(d, "run.log")) as src, \
@@ -129,15 +159,18 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), 
                     dst.write(src.read())
                 t0 = min(renamed.values(), default=0.0)
                 with open(os.path.join(log_dir, f"latency-{tag}.csv"), "w") as f:
-                    f.write("renamed_s,latency_ms,path\n")
+                    f.write("renamed_s,latency_ms,path,renamed_monotonic_s\n")
                     for p, t in sorted(renamed.items(), key=lambda kv: kv[1]):
                         lat_ms = (seen[p] - t) * 1e3 if p in seen else float("nan")
-                        f.write(f"{t - t0:.4f},{lat_ms:.2f},{p}\n")
+                        f.write(f"{t - t0:.4f},{lat_ms:.2f},{p},{t:.4f}\n")
         lat = sorted((seen[p] - t) * 1e3 for p, t in renamed.items() if p in seen)
         missing = len(renamed) - len(lat)
         q = lambda x: lat[min(len(lat) - 1, int(x * len(lat)))]
+        # Did the machine stall while the slowest recording waited?
+        slowest = max((p for p in renamed if p in seen), key=lambda p: seen[p] - renamed[p])
+        overlap = [ms for t, ms in gaps if t < seen[slowest] and t + ms / 1e3 > renamed[slowest]]
         return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": lat[-1], "missing": missing,
-                "first": first_ms}
+                "first": first_ms, "gaps": [ms for _, ms in gaps], "gaps_at_max": overlap}
 
 
 def open_swmr(path, limit=30):
@@ -170,6 +203,16 @@ def first_row(files, incoming, rec, seed, limit=60):
     raise AssertionError("the first recording never showed")
 
 
+def machine(res):
+    """The probe's findings, in words."""
+    gaps = res["gaps"]
+    if not gaps:
+        return "the machine never stalled over 20 ms"
+    at_max = (f"one of {max(res['gaps_at_max']):.0f} ms while the slowest recording waited"
+              if res["gaps_at_max"] else "none while the slowest recording waited")
+    return f"the machine stalled {len(gaps)} times over 20 ms (max {max(gaps):.0f} ms), {at_max}"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("bins", nargs="+")
@@ -194,7 +237,7 @@ def main():
             results[b].append(res)
             print(f"{b}: round {r + 1}: p50 {res['p50']:.1f} ms, p90 {res['p90']:.1f} ms, "
                   f"p99 {res['p99']:.1f} ms, max {res['max']:.1f} ms, never seen {res['missing']}; "
-                  f"first row {res['first']:.0f} ms after the outputs appeared",
+                  f"first row {res['first']:.0f} ms after the outputs appeared; {machine(res)}",
                   flush=True)
     for b, rs in results.items():
         med = {k: statistics.median(x[k] for x in rs) for k in ("p50", "p90", "p99", "max")}

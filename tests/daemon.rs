@@ -544,6 +544,33 @@ fn rows_prepared_before_a_kill_in_the_manifest_window_were_never_visible() {
     compare_with_rebuild(&world);
 }
 
+/// A batch that took long is described in the log, stage by stage: here the manifest's step,
+/// which a fail point holds for 700 ms, gets the time, and the others do not.
+#[test]
+#[serial]
+fn a_slow_batch_is_logged_with_the_stage_that_took_the_time() {
+    let world = World::new(FAST);
+    let svc = Service::start_failing(&world, "commit-before-manifest=1*sleep(700)");
+    write_via_rename(&world.rec(), "LEAK/slow.wav", &clip_wav("LEAK", 900));
+    svc.wait("the file committed", |s| committed(s) == 1);
+    let log = svc.log();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("slow batch:")).collect();
+    assert_eq!(lines.len(), 1, "one batch was slow: {log}");
+    println!("{}", lines[0]);
+    let stage_ms = |stage: &str| -> f64 {
+        let at = lines[0].find(&format!("{stage} ")).unwrap_or_else(|| {
+            panic!("`{stage}` missing: {}", lines[0]);
+        });
+        let rest = &lines[0][at + stage.len() + 1..];
+        rest[..rest.find(" ms").unwrap()].parse().unwrap()
+    };
+    assert!(stage_ms("the manifest") >= 700.0, "{}", lines[0]);
+    for other in ["loading and deciding", "featurising", "publishing"] {
+        assert!(stage_ms(other) < 500.0, "{other}: {}", lines[0]);
+    }
+    svc.terminate();
+}
+
 /// Rows each split's HDF5 file holds (its datasets' extent), committed or not.
 fn hdf5_extents(world: &World) -> Vec<u64> {
     per_split(world, |f| f.extent("blake3"))

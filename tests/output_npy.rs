@@ -479,3 +479,48 @@ fn prepared_rows_are_published_by_a_reopen_that_keeps_them_and_cut_otherwise() {
         ]);
     }
 }
+
+/// A reopen of a split that holds exactly its committed rows (as after the service's own idle
+/// close) cuts and rewrites nothing; one whose `attributes.json` disagrees with the column
+/// headers is brought back in line as before.
+#[test]
+fn a_reopen_of_exactly_the_committed_rows_rewrites_nothing() {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("training");
+    let h = header(false);
+    let mut sink = NpySink::create(&dir, &h).unwrap();
+    append(&mut sink, &h, 4);
+    sink.commit().unwrap();
+    Box::new(sink).close().unwrap();
+    let attrs = dir.join("attributes.json");
+    let inode = || std::fs::metadata(&attrs).unwrap().ino();
+    let committed_in_attrs = || {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&attrs).unwrap()).unwrap();
+        v["committed_rows"].as_u64()
+    };
+    let before = (inode(), file_len(&dir, "labels"));
+
+    let sink = NpySink::open_append(&dir, &h, Some(4)).unwrap();
+    assert_eq!((sink.len(), sink.committed_rows()), (4, 4));
+    assert_eq!(
+        (inode(), file_len(&dir, "labels")),
+        before,
+        "attributes.json replaced or a column cut"
+    );
+    Box::new(sink).close().unwrap();
+
+    // attributes.json out of step with the headers (written in place, same inode).
+    let text = std::fs::read_to_string(&attrs).unwrap();
+    std::fs::write(
+        &attrs,
+        text.replace("\"committed_rows\": 4", "\"committed_rows\": 3"),
+    )
+    .unwrap();
+    assert_eq!(committed_in_attrs(), Some(3));
+    let sink = NpySink::open_append(&dir, &h, Some(4)).unwrap();
+    assert_eq!(sink.committed_rows(), 4);
+    assert_eq!(committed_in_attrs(), Some(4), "attributes.json rewritten");
+    Box::new(sink).close().unwrap();
+}

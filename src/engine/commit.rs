@@ -52,8 +52,8 @@ impl Committer {
     /// Carry out `group`, plans in the order they were decided. Live, the whole group is made
     /// durable with one commit of the outputs and one flush of the manifest (a group commit:
     /// when plans queue up behind a commit, as in a burst, the syncs are shared; a lone plan
-    /// is committed at once).
-    pub fn commit_group(&mut self, group: &[Featurised]) -> anyhow::Result<()> {
+    /// is committed at once). Each plan's trace gets the group's instants.
+    pub fn commit_group(&mut self, group: &mut [Featurised]) -> anyhow::Result<()> {
         let Some(last) = group.last() else {
             return Ok(());
         };
@@ -65,10 +65,11 @@ impl Committer {
             room.check(group)?;
         }
         // sled writes back on its own too: the manifest must not get ahead of the outputs.
-        for f in group {
+        for f in group.iter() {
             self.write(f)?;
         }
         self.outputs.prepare()?;
+        let written = Instant::now();
         // Test builds (feature `failpoints`): a sleep here holds the service between the
         // outputs' prepare and the manifest (tests/daemon.rs kills it there), in a group that
         // appended rows.
@@ -79,27 +80,40 @@ impl Committer {
         StageTimes::add(&self.times.write, t);
         // From here on the rows are on disk: a failure leaves them there, and the next open
         // publishes or cuts them by what the manifest holds.
-        self.record_and_publish(group, appends)
+        let (recorded, published) = self
+            .record_and_publish(group, appends)
             .map_err(|e| anyhow::Error::new(Unpublished).context(format!("{e:#}")))?;
         self.committed.store(last.plan.gen, Ordering::Release);
+        for f in group {
+            let trace = &mut f.plan.trace;
+            (trace.written, trace.recorded) = (Some(written), Some(recorded));
+            trace.published = Some(published);
+        }
         Ok(())
     }
 
-    /// Steps 4 and 5 of the live protocol (see the module notes).
+    /// Steps 4 and 5 of the live protocol (see the module notes). Returns when each ended.
     #[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
-    fn record_and_publish(&mut self, group: &[Featurised], appends: bool) -> anyhow::Result<()> {
+    fn record_and_publish(
+        &mut self,
+        group: &[Featurised],
+        appends: bool,
+    ) -> anyhow::Result<(Instant, Instant)> {
         let t = Instant::now();
         for f in group {
             self.manifest.apply(self.manifest_batch(&f.plan))?;
         }
         self.manifest.flush()?;
         StageTimes::add(&self.times.manifest, t);
+        let recorded = Instant::now();
         // The same, between the manifest and the publish.
-        fail::fail_point!("commit-before-publish", appends, |_| Ok(()));
+        fail::fail_point!("commit-before-publish", appends, |_| Ok((
+            recorded, recorded
+        )));
         let t = Instant::now();
         self.outputs.publish()?;
         StageTimes::add(&self.times.write, t);
-        Ok(())
+        Ok((recorded, Instant::now()))
     }
 
     /// One plan into staging outputs, which are swapped in only when complete: the records go
@@ -354,11 +368,14 @@ mod tests {
     fn a_group_is_committed_whole_and_recorded_up_to_its_last_plan() {
         let dir = tempfile::tempdir().unwrap();
         let (mut c, mut ledger, s) = live(dir.path());
-        let group: Vec<Featurised> = (0..3)
+        let mut group: Vec<Featurised> = (0..3)
             .map(|i| featurised(&c, &mut ledger, &s, i, false))
             .collect();
         let last = group.last().unwrap().plan.gen;
-        c.commit_group(&group).unwrap();
+        c.commit_group(&mut group).unwrap();
+        let trace = group[0].plan.trace;
+        assert!(trace.written.is_some() && trace.written <= trace.recorded);
+        assert!(trace.recorded <= trace.published);
         assert_eq!(c.committed.load(Ordering::Acquire), last);
         assert_eq!(c.manifest.files().count(), 3);
         assert_eq!(c.manifest.rows().unwrap().iter().sum::<u64>(), 3);
@@ -370,12 +387,12 @@ mod tests {
     fn a_group_that_fails_half_way_leaves_neither_rows_nor_records() {
         let dir = tempfile::tempdir().unwrap();
         let (mut c, mut ledger, s) = live(dir.path());
-        let group = vec![
+        let mut group = vec![
             featurised(&c, &mut ledger, &s, 0, false),
             featurised(&c, &mut ledger, &s, 1, true),
             featurised(&c, &mut ledger, &s, 2, false),
         ];
-        let e = c.commit_group(&group).unwrap_err();
+        let e = c.commit_group(&mut group).unwrap_err();
         assert!(format!("{e:#}").contains("mel values"), "{e:#}");
         assert_eq!(c.committed.load(Ordering::Acquire), 0);
         let manifest = c.manifest.clone();

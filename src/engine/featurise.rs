@@ -86,7 +86,8 @@ impl Stage {
             let finished = self.finish(oldest);
             StageTimes::add(&self.times.featurise, t);
             match finished {
-                Ok(f) => {
+                Ok(mut f) => {
+                    f.plan.trace.featurised = Some(Instant::now());
                     if out.send(Ok(f)).is_err() {
                         break;
                     }

@@ -105,6 +105,8 @@ pub struct Plan {
     /// When each path that now holds a row was seen complete (latency figures).
     pub seen: Vec<Instant>,
     pub counts: Counts,
+    /// When the plan passed each stage (filled in by the stages).
+    pub trace: super::Trace,
 }
 
 /// The rules, with their write-back cache.

@@ -30,6 +30,7 @@ pub mod reconcile;
 pub mod records;
 pub mod recover;
 pub mod stages;
+pub mod trace;
 
 use crate::config::{DeviceChoice, FeatureShape, Settings, SPLITS};
 use crate::features::cuda::DeviceTimes;
@@ -50,6 +51,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+pub use trace::Trace;
 
 /// Featurised plans that may wait for the commit stage, and be committed together.
 const GROUP_MAX: usize = 8;
@@ -85,6 +87,10 @@ pub struct Done {
     pub reread: Vec<String>,
     /// Completion-to-commit time of each file that got a row.
     pub latencies: Vec<Duration>,
+    /// When the first of those files was seen complete, and when the batch passed each stage
+    /// after that (what a slow batch waited for).
+    pub first_seen: Option<Instant>,
+    pub trace: Trace,
     /// Rows per split after this batch.
     pub rows: [u64; 3],
 }
@@ -197,8 +203,13 @@ impl Engine {
             }
         }
         outputs.set_labels(&labels.names)?;
-        manifest.set_meta("feature_fingerprint", &fingerprint)?;
-        manifest.set_meta("labels", &serde_json::to_string(&labels.names)?)?;
+        // Unchanged (as at every reopen after an idle close), they are not written again.
+        let names = serde_json::to_string(&labels.names)?;
+        for (key, value) in [("feature_fingerprint", &fingerprint), ("labels", &names)] {
+            if manifest.get_meta(key)?.as_ref() != Some(value) {
+                manifest.set_meta(key, value)?;
+            }
+        }
         manifest.flush()?;
         let featuriser = match warm {
             Warm::Build(device) => features::build(
@@ -393,6 +404,7 @@ impl Engine {
         if inputs.is_empty() {
             return Ok(());
         }
+        let taken = Instant::now();
         if self.lane.pending() > 0 {
             for input in &inputs {
                 match input {
@@ -476,7 +488,7 @@ impl Engine {
                 observations.par_extend(group.into_par_iter().map(load));
             }
         });
-        self.dispatch(observations)
+        self.dispatch(observations, Some(taken))
     }
 
     /// Inputs as the in-flight journal and the manifest judge them: a file that made ailhd stop
@@ -551,11 +563,17 @@ impl Engine {
         Ok(rest)
     }
 
-    /// Decide `observations` and hand the plan on.
-    fn dispatch(&mut self, observations: Vec<Observation>) -> anyhow::Result<()> {
+    /// Decide `observations` (whose loading began at `taken`) and hand the plan on.
+    fn dispatch(
+        &mut self,
+        observations: Vec<Observation>,
+        taken: Option<Instant>,
+    ) -> anyhow::Result<()> {
         let t = Instant::now();
-        let plan = self.ledger.decide(&*self.manifest, observations)?;
+        let mut plan = self.ledger.decide(&*self.manifest, observations)?;
         StageTimes::add(&self.times.decide, t);
+        plan.trace.taken = taken;
+        plan.trace.decided = Some(Instant::now());
         let tx = self
             .to_featurise
             .as_ref()
@@ -591,7 +609,7 @@ impl Engine {
         }
         let mut observations = Vec::new();
         if self.take_lane(first, &mut observations) {
-            self.dispatch(observations)?;
+            self.dispatch(observations, None)?;
         }
         Ok(())
     }
@@ -776,6 +794,8 @@ fn done_of(plan: Plan) -> Done {
         quarantined: plan.quarantined,
         reread: plan.reread,
         latencies: plan.seen.iter().map(|t| now.duration_since(*t)).collect(),
+        first_seen: plan.seen.iter().min().copied(),
+        trace: plan.trace,
         rows: plan.rows,
     }
 }
@@ -885,8 +905,8 @@ fn commit_loop(
             Some(Err(_)) => group.pop().and_then(|f| f.err()),
             _ => None,
         };
-        let plans: Vec<Featurised> = group.into_iter().flatten().collect();
-        let error = match committer.commit_group(&plans) {
+        let mut plans: Vec<Featurised> = group.into_iter().flatten().collect();
+        let error = match committer.commit_group(&mut plans) {
             Err(e) => Some(e),
             Ok(()) => {
                 for f in plans {

@@ -394,6 +394,9 @@ impl Hdf5Sink {
     /// restart the service (which reopens the file and grows them before starting SWMR).
     pub fn set_labels(&mut self, labels: &[String]) -> Result<()> {
         super::check_labels_extend(&self.path, &self.labels, labels)?;
+        if labels == self.labels {
+            return Ok(());
+        }
         let values = [labels_json(labels), label2id_json(labels)];
         let file = self.file()?;
         for (name, value) in LABEL_ATTRS.iter().zip(&values) {

@@ -169,8 +169,12 @@ impl NpySink {
 
     /// `cut`: cut every column back to its committed rows, durably (see [`NpySink::open_append`]).
     fn open(dir: &Path, header: &OutputHeader, keep: Option<u64>, cut: bool) -> Result<Self> {
-        let (attrs, labels) = read_attributes(dir, header)?;
-        let (cols, on_disk) = open_columns(dir, header, cut)?;
+        let Attributes {
+            attrs,
+            labels,
+            committed: attrs_rows,
+        } = read_attributes(dir, header)?;
+        let (cols, on_disk, uniform) = open_columns(dir, header, cut)?;
         // Rows past the headers that the manifest records (`keep`) were made durable before the
         // manifest recorded them (SplitSink::prepare), and the service stopped before it
         // published them: they are kept (the size check below finds them, or a damaged file).
@@ -200,10 +204,16 @@ impl NpySink {
             staged: false,
             direct_bytes: 0,
         };
+        let mut exact = uniform && committed == on_disk && attrs_rows == Some(committed);
         for c in &mut sink.cols {
-            c.check_size(committed)?;
+            exact &= c.check_size(committed)?;
         }
-        if cut {
+        if cut && exact {
+            // Nothing to cut (as after the service's own idle close): the columns' data and
+            // headers were made durable by the fsync of each column at open (open_columns),
+            // and attributes.json's replacement by this sync of its folder.
+            crate::durable::sync_dir(dir).with_context(|| format!("syncing {}", dir.display()))?;
+        } else if cut {
             sink.cut_to(committed, committed)?;
         }
         Ok(sink)
@@ -213,6 +223,9 @@ impl NpySink {
     /// `labels.unknown = "append"`); `labels` must extend the current list.
     pub fn set_labels(&mut self, labels: &[String]) -> Result<()> {
         super::check_labels_extend(&self.dir, &self.labels, labels)?;
+        if labels == self.labels {
+            return Ok(());
+        }
         self.attrs
             .insert("labels_json".into(), Value::from(labels_json(labels)));
         self.attrs
@@ -370,7 +383,8 @@ impl NpySink {
 
 impl NpyColumn {
     /// The file holds at least `committed` rows (bytes past them are logged as reclaimed).
-    fn check_size(&self, committed: u64) -> Result<()> {
+    /// Whether the column holds exactly `committed` rows (an error when fewer).
+    fn check_size(&self, committed: u64) -> Result<bool> {
         let size = self.file.metadata()?.len();
         let want = self.data_offset(committed);
         if size < want {
@@ -387,7 +401,7 @@ impl NpyColumn {
                 size - want
             );
         }
-        Ok(())
+        Ok(size == want)
     }
 
     fn data_offset(&self, row: u64) -> u64 {
@@ -603,8 +617,16 @@ fn npy_header(spec: &ColumnSpec, rows: u64, header_len: usize) -> Vec<u8> {
 }
 
 /// A reopened split's `attributes.json`, checked for this layout version and the configured
-/// feature settings, less its `committed_rows` (the column headers hold them); and its labels.
-fn read_attributes(dir: &Path, header: &OutputHeader) -> Result<(Map<String, Value>, Vec<String>)> {
+/// feature settings.
+struct Attributes {
+    /// Less its `committed_rows` (the column headers hold them; added when written).
+    attrs: Map<String, Value>,
+    labels: Vec<String>,
+    /// The `committed_rows` it was written with.
+    committed: Option<u64>,
+}
+
+fn read_attributes(dir: &Path, header: &OutputHeader) -> Result<Attributes> {
     let attrs_path = dir.join(ATTRIBUTES);
     let text = std::fs::read_to_string(&attrs_path)
         .with_context(|| format!("reading {}", attrs_path.display()))?;
@@ -638,14 +660,22 @@ fn read_attributes(dir: &Path, header: &OutputHeader) -> Result<(Map<String, Val
                 attrs_path.display()
             )
         })?;
-    attrs.remove("committed_rows");
-    Ok((attrs, labels))
+    let committed = attrs.remove("committed_rows").and_then(|v| v.as_u64());
+    Ok(Attributes {
+        attrs,
+        labels,
+        committed,
+    })
 }
 
-/// Open every column of a reopened split, its header checked and mapped; returns them and the
-/// rows their headers agree on (the smallest shape). `cut`: a stale write error of an earlier
+/// Open every column of a reopened split, its header checked and mapped; returns them, the
+/// rows their headers agree on (the smallest shape), and whether every header says that. `cut`: a stale write error of an earlier
 /// life is dropped (the columns are cut back).
-fn open_columns(dir: &Path, header: &OutputHeader, cut: bool) -> Result<(Vec<NpyColumn>, u64)> {
+fn open_columns(
+    dir: &Path,
+    header: &OutputHeader,
+    cut: bool,
+) -> Result<(Vec<NpyColumn>, u64, bool)> {
     let mut cols = Vec::new();
     let mut shapes = Vec::new();
     for spec in columns(header) {
@@ -673,7 +703,8 @@ fn open_columns(dir: &Path, header: &OutputHeader, cut: bool) -> Result<(Vec<Npy
         });
     }
     let on_disk = shapes.iter().copied().min().unwrap_or(0);
-    Ok((cols, on_disk))
+    let uniform = shapes.iter().all(|&rows| rows == on_disk);
+    Ok((cols, on_disk, uniform))
 }
 
 /// Read and check a column's npy header: returns (header length, row count).

@@ -13,6 +13,7 @@
 
 pub mod batch;
 mod shared;
+mod slow;
 mod unreadable;
 mod worker;
 

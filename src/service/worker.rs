@@ -120,6 +120,7 @@ pub(super) struct Worker {
     pub(super) listed: Option<Vec<crate::source::Found>>,
     /// The next rescan is the start's (see [`crate::engine::reconcile_with`]).
     pub(super) start: bool,
+    pub(super) slow: super::slow::SlowBatches,
 }
 
 impl Worker {
@@ -417,6 +418,9 @@ impl Worker {
             self.recent.push_latency(l.as_secs_f64() * 1e3);
             crate::metrics::commit_latency(l.as_secs_f64());
         }
+        if let Some(line) = self.slow.line(&done, Instant::now()) {
+            log::info!("{line}");
+        }
         for (rel, reason) in &done.quarantined {
             crate::metrics::file_quarantined(&reason.to_string());
             log::warn!(file = rel.as_str(), reason = reason.to_string().as_str(); "quarantined {rel}: {reason}");
@@ -502,6 +506,7 @@ impl Worker {
             last_work: Instant::now(),
             listed,
             start: true,
+            slow: Default::default(),
         };
         match engine {
             Ok(e) => {
