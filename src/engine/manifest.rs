@@ -394,7 +394,12 @@ impl Manifest {
             .map(|v| String::from_utf8_lossy(&v).to_string()))
     }
 
+    /// Store `key` = `value`; a value stored already is not written again (a reopen of the
+    /// service sets the same settings each time).
     pub fn set_meta(&self, key: &str, value: &str) -> Result<(), ManifestError> {
+        if self.get_meta(key)?.as_deref() == Some(value) {
+            return Ok(());
+        }
         self.meta
             .insert(key, value.as_bytes())
             .map_err(|e| self.err(e))?;

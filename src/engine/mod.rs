@@ -203,13 +203,8 @@ impl Engine {
             }
         }
         outputs.set_labels(&labels.names)?;
-        // Unchanged (as at every reopen after an idle close), they are not written again.
-        let names = serde_json::to_string(&labels.names)?;
-        for (key, value) in [("feature_fingerprint", &fingerprint), ("labels", &names)] {
-            if manifest.get_meta(key)?.as_ref() != Some(value) {
-                manifest.set_meta(key, value)?;
-            }
-        }
+        manifest.set_meta("feature_fingerprint", &fingerprint)?;
+        manifest.set_meta("labels", &serde_json::to_string(&labels.names)?)?;
         manifest.flush()?;
         let featuriser = match warm {
             Warm::Build(device) => features::build(

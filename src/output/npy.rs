@@ -212,7 +212,7 @@ impl NpySink {
             // Nothing to cut (as after the service's own idle close): the columns' data and
             // headers were made durable by the fsync of each column at open (open_columns),
             // and attributes.json's replacement by this sync of its folder.
-            crate::durable::sync_dir(dir).with_context(|| format!("syncing {}", dir.display()))?;
+            sync_dir(dir)?;
         } else if cut {
             sink.cut_to(committed, committed)?;
         }
@@ -382,8 +382,8 @@ impl NpySink {
 }
 
 impl NpyColumn {
-    /// The file holds at least `committed` rows (bytes past them are logged as reclaimed).
-    /// Whether the column holds exactly `committed` rows (an error when fewer).
+    /// The file holds at least `committed` rows (an error when fewer; bytes past them are
+    /// logged as reclaimed). Returns whether it holds exactly that many.
     fn check_size(&self, committed: u64) -> Result<bool> {
         let size = self.file.metadata()?.len();
         let want = self.data_offset(committed);
@@ -669,8 +669,8 @@ fn read_attributes(dir: &Path, header: &OutputHeader) -> Result<Attributes> {
 }
 
 /// Open every column of a reopened split, its header checked and mapped; returns them, the
-/// rows their headers agree on (the smallest shape), and whether every header says that. `cut`: a stale write error of an earlier
-/// life is dropped (the columns are cut back).
+/// rows their headers agree on (the smallest shape), and whether every header says that.
+/// `cut`: a stale write error of an earlier life is dropped (the columns are cut back).
 fn open_columns(
     dir: &Path,
     header: &OutputHeader,
