@@ -10,8 +10,9 @@ use std::process::ExitCode;
 
 // Chunks of recordings are allocated and freed in bulk; glibc's allocator hands such memory back
 // to the kernel and faults it in again (measured: a tenth of rebuild's time in page faults).
+// mimalloc, with large zeroed blocks mapped fresh (see the type).
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: ailhd::memory::Allocator = ailhd::memory::Allocator;
 
 #[derive(Parser)]
 #[command(

@@ -480,12 +480,8 @@ fn prepared_rows_are_published_by_a_reopen_that_keeps_them_and_cut_otherwise() {
     }
 }
 
-/// A reopen of a split that holds exactly its committed rows (as after the service's own idle
-/// close) cuts and rewrites nothing; one whose `attributes.json` disagrees with the column
-/// headers is brought back in line as before.
-#[test]
-fn a_reopen_of_exactly_the_committed_rows_rewrites_nothing() {
-    use std::os::unix::fs::MetadataExt;
+/// A split of four committed rows, closed.
+fn four_rows_closed() -> (tempfile::TempDir, std::path::PathBuf, OutputHeader) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("training");
     let h = header(false);
@@ -493,8 +489,24 @@ fn a_reopen_of_exactly_the_committed_rows_rewrites_nothing() {
     append(&mut sink, &h, 4);
     sink.commit().unwrap();
     Box::new(sink).close().unwrap();
+    (tmp, dir, h)
+}
+
+fn attributes_inode(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(dir.join("attributes.json"))
+        .unwrap()
+        .ino()
+}
+
+/// A reopen of a split that holds exactly its committed rows (as after the service's own idle
+/// close) cuts and rewrites nothing; one whose `attributes.json` disagrees with the column
+/// headers is brought back in line as before.
+#[test]
+fn a_reopen_of_exactly_the_committed_rows_rewrites_nothing() {
+    let (_tmp, dir, h) = four_rows_closed();
     let attrs = dir.join("attributes.json");
-    let inode = || std::fs::metadata(&attrs).unwrap().ino();
+    let inode = || attributes_inode(&dir);
     let committed_in_attrs = || {
         let v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&attrs).unwrap()).unwrap();
@@ -522,5 +534,28 @@ fn a_reopen_of_exactly_the_committed_rows_rewrites_nothing() {
     let sink = NpySink::open_append(&dir, &h, Some(4)).unwrap();
     assert_eq!(sink.committed_rows(), 4);
     assert_eq!(committed_in_attrs(), Some(4), "attributes.json rewritten");
+    Box::new(sink).close().unwrap();
+}
+
+/// A resume (the same process reopening a split it closed cleanly) takes a split that holds
+/// exactly the rows it closed at as it is; a split that holds others (here one row more than the
+/// resume expects) is cut back as any reopen cuts it.
+#[test]
+fn a_resume_takes_its_own_rows_as_they_are_and_cuts_anything_else() {
+    let (_tmp, dir, h) = four_rows_closed();
+    let inode = || attributes_inode(&dir);
+    let before = (inode(), file_len(&dir, "labels"));
+
+    let sink = NpySink::resume(&dir, &h, 4).unwrap();
+    assert_eq!((sink.len(), sink.committed_rows()), (4, 4));
+    assert_eq!((inode(), file_len(&dir, "labels")), before);
+    Box::new(sink).close().unwrap();
+
+    let sink = NpySink::resume(&dir, &h, 3).unwrap();
+    assert_eq!((sink.len(), sink.committed_rows()), (3, 3));
+    assert!(file_len(&dir, "labels") < before.1, "the fourth row cut");
+    Box::new(sink).close().unwrap();
+    let sink = NpySink::open_append(&dir, &h, None).unwrap();
+    assert_eq!(sink.committed_rows(), 3);
     Box::new(sink).close().unwrap();
 }

@@ -396,14 +396,14 @@ impl Manifest {
 
     /// Store `key` = `value`; a value stored already is not written again (a reopen of the
     /// service sets the same settings each time).
-    pub fn set_meta(&self, key: &str, value: &str) -> Result<(), ManifestError> {
+    pub fn set_meta(&self, key: &str, value: &str) -> Result<bool, ManifestError> {
         if self.get_meta(key)?.as_deref() == Some(value) {
-            return Ok(());
+            return Ok(false);
         }
         self.meta
             .insert(key, value.as_bytes())
             .map_err(|e| self.err(e))?;
-        Ok(())
+        Ok(true)
     }
 
     /// Labels appended under `labels.unknown = "append"`, in id order after `labels.names`.

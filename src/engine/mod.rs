@@ -108,6 +108,18 @@ pub struct FeaturiserFailed {
 pub enum Warm {
     Build(DeviceChoice),
     Keep(Box<dyn Featuriser>),
+    /// After this engine's own clean close ([`Engine::suspend`]).
+    Resume(Suspended),
+}
+
+/// What [`Engine::suspend`] hands back: the warm featuriser, and the rows each split held when
+/// everything was committed, synced and closed. A reopen that finds the manifest at exactly
+/// these rows has nothing to recover, adopt, cut or publish, and no write of this process left
+/// unsynced: it skips those checks and their syncs (the first recording after an idle spell
+/// waits for them; docs/benchmarks.md).
+pub struct Suspended {
+    featuriser: Box<dyn Featuriser>,
+    rows: [u64; 3],
 }
 
 /// Empty staging outputs and manifest for `rebuild` ([`Engine::create_bulk`]).
@@ -167,7 +179,18 @@ impl Engine {
             Some(m) if !m.failed() => m,
             _ => Arc::new(open_or_set_aside(&crate::staging::manifest_dir(settings))?),
         };
-        recover_into(settings, &manifest)?;
+        let (warm, resumed) = match warm {
+            Warm::Resume(s) => (Warm::Keep(s.featuriser), Some(s.rows)),
+            w => (w, None),
+        };
+        // As this process left it (not, say, a manifest removed while the service idled).
+        let resume = match resumed {
+            Some(rows) => manifest.rows()? == rows,
+            None => false,
+        };
+        if !resume {
+            recover_into(settings, &manifest)?;
+        }
         let fingerprint = settings.features.fingerprint();
         let known_rows = manifest.rows()?;
         let has_records = manifest.files().next().is_some() || known_rows.iter().any(|&r| r > 0);
@@ -179,7 +202,9 @@ impl Engine {
             features: settings.features.clone(),
             path_bytes: settings.outputs.path_bytes,
         };
-        let mut outputs = if OutputSet::exists(out_dir, &settings.outputs) {
+        let mut outputs = if resume && OutputSet::exists(out_dir, &settings.outputs) {
+            OutputSet::resume(out_dir, &settings.outputs, &header, known_rows)?
+        } else if OutputSet::exists(out_dir, &settings.outputs) {
             OutputSet::open_append(out_dir, &settings.outputs, &header, true, Some(known_rows))?
         } else if has_records {
             bail!(
@@ -203,9 +228,11 @@ impl Engine {
             }
         }
         outputs.set_labels(&labels.names)?;
-        manifest.set_meta("feature_fingerprint", &fingerprint)?;
-        manifest.set_meta("labels", &serde_json::to_string(&labels.names)?)?;
-        manifest.flush()?;
+        let wrote = manifest.set_meta("feature_fingerprint", &fingerprint)?
+            | manifest.set_meta("labels", &serde_json::to_string(&labels.names)?)?;
+        if wrote || !resume {
+            manifest.flush()?;
+        }
         let featuriser = match warm {
             Warm::Build(device) => features::build(
                 &settings.features,
@@ -213,7 +240,7 @@ impl Engine {
                 device,
                 settings.worker_threads(),
             )?,
-            Warm::Keep(f) => f,
+            Warm::Keep(f) | Warm::Resume(Suspended { featuriser: f, .. }) => f,
         };
         Ok(Engine::start(
             settings, labels, known_rows, manifest, outputs, featuriser, true,
@@ -671,10 +698,18 @@ impl Engine {
     }
 
     /// Drain, commit everything, close the outputs and the manifest, and hand back the warm
-    /// featuriser for [`Engine::open_live_with`].
-    pub fn suspend(self) -> anyhow::Result<Box<dyn Featuriser>> {
+    /// featuriser and the rows committed, for [`Engine::open_live_with`].
+    pub fn suspend(self) -> anyhow::Result<Suspended> {
+        let manifest = self.manifest.clone();
         let (_, featuriser) = self.stop()?;
-        featuriser.context("the featuriser thread stopped")
+        let featuriser = featuriser.context("the featuriser thread stopped")?;
+        // Every commit synced the manifest; this one syncs whatever else it holds, so that a
+        // resume finding these rows may take it as closed cleanly.
+        manifest.flush()?;
+        Ok(Suspended {
+            featuriser,
+            rows: manifest.rows()?,
+        })
     }
 
     /// After a failure: drop whatever is in flight (nothing of it is recorded) and hand back
@@ -1041,6 +1076,56 @@ mod tests {
             .unwrap()
             .is_none());
         assert_eq!(engine.manifest().rows().unwrap().iter().sum::<u64>(), 4);
+    }
+
+    /// A resume after the engine's own clean close finds its rows and takes them as they are;
+    /// one that finds the manifest changed since (here removed while the service idled) goes
+    /// the way of any open: the manifest is rebuilt from the outputs, and no row is lost (taken
+    /// as clean, the outputs would have been cut to the empty manifest's rows).
+    #[test]
+    fn a_resume_that_finds_the_manifest_changed_recovers_as_any_open_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Settings::in_folder(dir.path());
+        let leak = s.paths.recordings.join("LEAK");
+        std::fs::create_dir_all(&leak).unwrap();
+        let ingest = |engine: &mut Engine, from: usize, to: usize| {
+            for i in from..to {
+                let name = crate::synth::file_name(i, 1);
+                let samples = crate::synth::clip("LEAK", i as u64, 4096, 10.0);
+                std::fs::write(leak.join(&name), crate::synth::wav_pcm16(&samples, 4096)).unwrap();
+                let input = Input::Load {
+                    rel: format!("LEAK/{name}"),
+                    seen: None,
+                };
+                engine.submit(vec![input]).unwrap();
+            }
+            engine.wait().unwrap();
+        };
+        let total = |engine: &Engine| engine.manifest().rows().unwrap().iter().sum::<u64>();
+
+        let mut engine = Engine::open_live(&s, DeviceChoice::Cpu).unwrap();
+        ingest(&mut engine, 0, 4);
+        let closed = engine.suspend().unwrap();
+        assert_eq!(closed.rows.iter().sum::<u64>(), 4);
+
+        let mut engine = Engine::open_live_with(&s, Warm::Resume(closed), None).unwrap();
+        assert_eq!(total(&engine), 4);
+        ingest(&mut engine, 4, 6);
+        assert_eq!(total(&engine), 6);
+        let closed = engine.suspend().unwrap();
+
+        std::fs::remove_dir_all(crate::staging::manifest_dir(&s)).unwrap();
+        let mut engine = Engine::open_live_with(&s, Warm::Resume(closed), None).unwrap();
+        assert_eq!(
+            total(&engine),
+            6,
+            "the manifest rebuilt from the outputs' 6 rows"
+        );
+        let first = format!("LEAK/{}", crate::synth::file_name(0, 1));
+        assert!(engine.manifest().get_file(&first).unwrap().is_some());
+        ingest(&mut engine, 6, 7);
+        assert_eq!(total(&engine), 7);
+        engine.finish().unwrap();
     }
 
     /// Whichever call meets the stopped engine (the next submit or the wait), its error is the

@@ -282,10 +282,29 @@ impl Hdf5Sink {
         swmr: bool,
         keep: Option<u64>,
     ) -> Result<Self> {
+        Self::open_append_after(path, header, swmr, keep, false)
+    }
+
+    /// [`Hdf5Sink::open_append`] in SWMR mode after this process closed the file cleanly at
+    /// `rows` (every write synced): no write failure of an earlier life can be pending, so
+    /// none is taken from the kernel first.
+    pub fn resume(path: &Path, header: &OutputHeader, rows: u64) -> Result<Self> {
+        Self::open_append_after(path, header, true, Some(rows), true)
+    }
+
+    fn open_append_after(
+        path: &Path,
+        header: &OutputHeader,
+        swmr: bool,
+        keep: Option<u64>,
+        clean_close: bool,
+    ) -> Result<Self> {
         if !path.exists() {
             bail!("{}: no such file", path.display());
         }
-        super::take_stale_write_error(path);
+        if !clean_close {
+            super::take_stale_write_error(path);
+        }
         let file = open_rw_recovering(path, header)?;
         let labels = check_layout(path, &file, header)?;
         let (committed_ds, committed) = read_committed_rows(path, &file)?;

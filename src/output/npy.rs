@@ -133,7 +133,7 @@ impl NpySink {
             sync_dir(dir.parent().unwrap_or(Path::new(".")))?;
         }
         // New columns hold no rows: nothing to cut back (and to sync) when staged.
-        let mut sink = Self::open(dir, header, None, sync)?;
+        let mut sink = Self::open(dir, header, None, if sync { Open::Cut } else { Open::AsIs })?;
         sink.staged = !sync;
         if sink.staged && direct {
             for c in sink.cols.iter_mut().filter(|c| c.spec.is_features()) {
@@ -164,17 +164,23 @@ impl NpySink {
     ///
     /// `keep`: as for [`super::hdf5::Hdf5Sink::open_append`], rows past it are reclaimed too.
     pub fn open_append(dir: &Path, header: &OutputHeader, keep: Option<u64>) -> Result<Self> {
-        Self::open(dir, header, keep, true)
+        Self::open(dir, header, keep, Open::Cut)
     }
 
-    /// `cut`: cut every column back to its committed rows, durably (see [`NpySink::open_append`]).
-    fn open(dir: &Path, header: &OutputHeader, keep: Option<u64>, cut: bool) -> Result<Self> {
+    /// [`NpySink::open_append`] after this process closed the split cleanly at `rows` (every
+    /// write synced): columns that still hold exactly those rows are taken as they are, with no
+    /// sync; anything else goes the way of [`NpySink::open_append`].
+    pub fn resume(dir: &Path, header: &OutputHeader, rows: u64) -> Result<Self> {
+        Self::open(dir, header, Some(rows), Open::Resume)
+    }
+
+    fn open(dir: &Path, header: &OutputHeader, keep: Option<u64>, how: Open) -> Result<Self> {
         let Attributes {
             attrs,
             labels,
             committed: attrs_rows,
         } = read_attributes(dir, header)?;
-        let (cols, on_disk, uniform) = open_columns(dir, header, cut)?;
+        let (cols, on_disk, uniform) = open_columns(dir, header, how == Open::Cut)?;
         // Rows past the headers that the manifest records (`keep`) were made durable before the
         // manifest recorded them (SplitSink::prepare), and the service stopped before it
         // published them: they are kept (the size check below finds them, or a damaged file).
@@ -208,13 +214,21 @@ impl NpySink {
         for c in &mut sink.cols {
             exact &= c.check_size(committed)?;
         }
-        if cut && exact {
-            // Nothing to cut (as after the service's own idle close): the columns' data and
-            // headers were made durable by the fsync of each column at open (open_columns),
-            // and attributes.json's replacement by this sync of its folder.
-            sync_dir(dir)?;
-        } else if cut {
-            sink.cut_to(committed, committed)?;
+        match how {
+            Open::AsIs => {}
+            // The process that synced every write of the split finds it as it left it.
+            Open::Resume if exact => {}
+            Open::Resume => {
+                for c in &sink.cols {
+                    super::take_stale_write_error(&c.path);
+                }
+                sink.cut_to(committed, committed)?;
+            }
+            // Nothing to cut (as after a clean stop): the columns' data and headers were made
+            // durable by the fsync of each column at open (open_columns), and attributes.json's
+            // replacement by this sync of its folder.
+            Open::Cut if exact => sync_dir(dir)?,
+            Open::Cut => sink.cut_to(committed, committed)?,
         }
         Ok(sink)
     }
@@ -666,6 +680,17 @@ fn read_attributes(dir: &Path, header: &OutputHeader) -> Result<Attributes> {
         labels,
         committed,
     })
+}
+
+/// How [`NpySink::open`] treats the rows it finds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Open {
+    /// As they are: a new split, staged (nothing to cut or sync).
+    AsIs,
+    /// Cut back to the committed rows, durably, after whatever life the split had before.
+    Cut,
+    /// As they are if they are exactly the rows this process closed the split at; else `Cut`.
+    Resume,
 }
 
 /// Open every column of a reopened split, its header checked and mapped; returns them, the

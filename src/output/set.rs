@@ -74,6 +74,27 @@ impl OutputSet {
         Ok(set)
     }
 
+    /// [`OutputSet::open_append`] in SWMR mode after this process closed the outputs cleanly
+    /// with `rows` committed per split ([`crate::engine::Suspended`]): what still holds
+    /// exactly those rows is opened without the recovery's syncs.
+    pub fn resume(
+        dir: &Path,
+        outputs: &Outputs,
+        header: &OutputHeader,
+        rows: [u64; 3],
+    ) -> anyhow::Result<Self> {
+        Self::build(dir, outputs, |kind, split, path| {
+            Ok(match kind {
+                Kind::Hdf5 => {
+                    Box::new(Hdf5Sink::resume(path, header, rows[split])?) as Box<dyn SplitSink>
+                }
+                Kind::Npy => {
+                    Box::new(NpySink::resume(path, header, rows[split])?) as Box<dyn SplitSink>
+                }
+            })
+        })
+    }
+
     /// Whether outputs exist under `dir` (any enabled kind, any split).
     pub fn exists(dir: &Path, outputs: &Outputs) -> bool {
         (0..3).any(|s| {

@@ -83,8 +83,9 @@ pub(super) struct Worker {
     pub(super) report: mpsc::UnboundedSender<Report>,
     /// None while closed (idle, or after a failure).
     pub(super) engine: Option<Engine>,
-    /// The warm featuriser of a closed engine.
-    pub(super) warm: Option<Box<dyn crate::features::Featuriser>>,
+    /// The warm featuriser of a closed engine (and what its clean close left, after an idle
+    /// close).
+    pub(super) warm: Option<crate::engine::Warm>,
     /// The manifest of an engine abandoned after a failure, kept for the next open (dropping
     /// it while the disk fails is what sled handles worst).
     pub(super) kept_manifest: Option<Arc<crate::engine::manifest::Manifest>>,
@@ -139,10 +140,10 @@ impl Worker {
             reexec();
         }
         if self.engine.is_none() {
-            let warm = match self.warm.take() {
-                Some(f) => crate::engine::Warm::Keep(f),
-                None => crate::engine::Warm::Build(self.settings.ingest.device),
-            };
+            let warm = self
+                .warm
+                .take()
+                .unwrap_or(crate::engine::Warm::Build(self.settings.ingest.device));
             let engine = Engine::open_live_with(&self.settings, warm, self.kept_manifest.take())?;
             self.device = engine.device().to_string();
             crate::metrics::outputs_open(true);
@@ -204,7 +205,7 @@ impl Worker {
         self.listed = None; // the recovery lists the tree again
         if let Some(engine) = self.engine.take() {
             let (warm, manifest) = engine.abandon();
-            self.warm = warm;
+            self.warm = warm.map(crate::engine::Warm::Keep);
             self.kept_manifest = Some(manifest);
         }
         crate::metrics::outputs_open(false);
@@ -390,8 +391,8 @@ impl Worker {
             return;
         };
         match engine.suspend() {
-            Ok(f) => {
-                self.warm = Some(f);
+            Ok(s) => {
+                self.warm = Some(crate::engine::Warm::Resume(s));
                 crate::metrics::outputs_open(false);
                 log::info!(
                     "idle for {} s: outputs closed (plain HDF5 readers open them); the next file reopens them",
