@@ -725,3 +725,111 @@ fn feature_chunks_start_at_multiples_of_the_row_size() {
         assert_feature_rows_aligned(&live, 100, &format!("{what}, service-made"));
     }
 }
+
+/// Bob Jenkins' lookup3 `hashlittle`, HDF5's checksum of its metadata (`H5_checksum_lookup3`).
+fn lookup3(key: &[u8]) -> u32 {
+    fn mix(a: &mut u32, b: &mut u32, c: &mut u32) {
+        *a = a.wrapping_sub(*c) ^ c.rotate_left(4);
+        *c = c.wrapping_add(*b);
+        *b = b.wrapping_sub(*a) ^ a.rotate_left(6);
+        *a = a.wrapping_add(*c);
+        *c = c.wrapping_sub(*b) ^ b.rotate_left(8);
+        *b = b.wrapping_add(*a);
+        *a = a.wrapping_sub(*c) ^ c.rotate_left(16);
+        *c = c.wrapping_add(*b);
+        *b = b.wrapping_sub(*a) ^ a.rotate_left(19);
+        *a = a.wrapping_add(*c);
+        *c = c.wrapping_sub(*b) ^ b.rotate_left(4);
+        *b = b.wrapping_add(*a);
+    }
+    let word = |k: &[u8]| {
+        let mut w = [0u8; 4];
+        w[..k.len()].copy_from_slice(k);
+        u32::from_le_bytes(w)
+    };
+    let init = 0xdead_beef_u32.wrapping_add(key.len() as u32);
+    let (mut a, mut b, mut c) = (init, init, init);
+    let mut k = key;
+    while k.len() > 12 {
+        a = a.wrapping_add(word(&k[0..4]));
+        b = b.wrapping_add(word(&k[4..8]));
+        c = c.wrapping_add(word(&k[8..12]));
+        mix(&mut a, &mut b, &mut c);
+        k = &k[12..];
+    }
+    if k.is_empty() {
+        return c;
+    }
+    a = a.wrapping_add(word(&k[..k.len().min(4)]));
+    if k.len() > 4 {
+        b = b.wrapping_add(word(&k[4..k.len().min(8)]));
+    }
+    if k.len() > 8 {
+        c = c.wrapping_add(word(&k[8..]));
+    }
+    c ^= b;
+    c = c.wrapping_sub(b.rotate_left(14));
+    a ^= c;
+    a = a.wrapping_sub(c.rotate_left(11));
+    b ^= a;
+    b = b.wrapping_sub(a.rotate_left(25));
+    c ^= b;
+    c = c.wrapping_sub(b.rotate_left(16));
+    a ^= c;
+    a = a.wrapping_sub(c.rotate_left(4));
+    b ^= a;
+    b = b.wrapping_sub(a.rotate_left(14));
+    c ^= b;
+    c.wrapping_sub(b.rotate_left(24))
+}
+
+/// A file whose superblock records an end of file short of its last blocks, as a SWMR writer
+/// killed mid-append leaves it (its chunks and their index entries written, the superblock not
+/// yet rewritten by a flush; seen once in `reopen_after_sigkill_swmr`): the reopen takes the
+/// file's real end, appends, and h5py reads every row.
+#[test]
+fn a_superblock_end_short_of_the_last_blocks_is_extended_at_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("TRAINING_DATASET.H5");
+    let h = header(false);
+    let mut sink = Hdf5Sink::create(&path, &h, true).unwrap();
+    append(&mut sink, &h, 40);
+    sink.commit().unwrap();
+    Box::new(sink).close().unwrap();
+
+    // Superblock version 2 or 3 at 0: signature, version, two sizes, flags, base address,
+    // extension address, end-of-file address (at 28), root group address, checksum (at 44).
+    let mut block = [0u8; 48];
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    use std::io::{Read, Seek, Write};
+    file.read_exact(&mut block).unwrap();
+    assert_eq!(&block[..8], b"\x89HDF\r\n\x1a\n");
+    assert!(matches!(block[8], 2 | 3), "superblock version {}", block[8]);
+    assert_eq!(
+        u32::from_le_bytes(block[44..48].try_into().unwrap()),
+        lookup3(&block[..44]),
+        "the checksum as HDF5 computes it"
+    );
+    let end = u64::from_le_bytes(block[28..36].try_into().unwrap());
+    assert_eq!(end, file.metadata().unwrap().len());
+    let short = end - 64 * 1024;
+    block[28..36].copy_from_slice(&short.to_le_bytes());
+    let sum = lookup3(&block[..44]);
+    block[44..48].copy_from_slice(&sum.to_le_bytes());
+    file.rewind().unwrap();
+    file.write_all(&block).unwrap();
+    drop(file);
+
+    let mut sink = Hdf5Sink::open_append(&path, &h, true, None).unwrap();
+    assert_eq!(sink.committed_rows(), 40);
+    append(&mut sink, &h, 7);
+    sink.commit().unwrap();
+    Box::new(sink).close().unwrap();
+    if python_ready() {
+        py(&["hdf5", path.to_str().unwrap(), "--rows", "47"]);
+    }
+}

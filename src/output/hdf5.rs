@@ -1046,9 +1046,25 @@ fn h5fopen_rw(path: &Path, fapl: &FileAccess, clear_flags: bool) -> Result<File>
             ))?;
         }
         let id = hdf5::h5check(H5Fopen(name.as_ptr(), H5F_ACC_RDWR, fapl.id()))?;
-        hdf5::from_id::<File>(id)
+        let file = hdf5::from_id::<File>(id)?;
+        // A SWMR writer killed mid-append can leave chunks (and the index entries pointing at
+        // them) past the end of the file its superblock records, which is only rewritten at a
+        // flush: every write into such a chunk would fail ("addr overflow"). Take the end as
+        // the larger of the two, as `h5clear --increment=0` does; a no-op for a file closed
+        // cleanly.
+        hdf5::h5check(H5Fincrement_filesize(id, 0))?;
+        Ok::<_, hdf5::Error>(file)
     })
     .map_err(anyhow::Error::from)
+}
+
+extern "C" {
+    // In HDF5 since 1.10.2 (the library is built from source with the crate); hdf5-sys has no
+    // binding for it.
+    fn H5Fincrement_filesize(
+        file_id: hid_t,
+        increment: hdf5_sys::h5::hsize_t,
+    ) -> hdf5_sys::h5::herr_t;
 }
 
 /// Clear the superblock's "open for write" status flags a killed writer left (`h5clear -s`),
