@@ -179,14 +179,10 @@ impl Engine {
             Some(m) if !m.failed() => m,
             _ => Arc::new(open_or_set_aside(&crate::staging::manifest_dir(settings))?),
         };
-        let (warm, resumed) = match warm {
-            Warm::Resume(s) => (Warm::Keep(s.featuriser), Some(s.rows)),
-            w => (w, None),
-        };
         // As this process left it (not, say, a manifest removed while the service idled).
-        let resume = match resumed {
-            Some(rows) => manifest.rows()? == rows,
-            None => false,
+        let resume = match &warm {
+            Warm::Resume(s) => manifest.rows()? == s.rows,
+            _ => false,
         };
         if !resume {
             recover_into(settings, &manifest)?;
@@ -1008,6 +1004,17 @@ mod tests {
             .unwrap();
     }
 
+    /// Write clip `i` under `leak` (the LEAK folder): its load, for the engine.
+    fn leak_clip(leak: &Path, i: usize) -> Input {
+        let name = crate::synth::file_name(i, 1);
+        let samples = crate::synth::clip("LEAK", i as u64, 4096, 10.0);
+        std::fs::write(leak.join(&name), crate::synth::wav_pcm16(&samples, 4096)).unwrap();
+        Input::Load {
+            rel: format!("LEAK/{name}"),
+            seen: None,
+        }
+    }
+
     /// A large file goes to its lane: the recordings of its batch are decided and committed
     /// without waiting for it, it follows in a batch of its own; and a later input about its
     /// path (here its removal) makes the lane's result stale.
@@ -1090,14 +1097,7 @@ mod tests {
         std::fs::create_dir_all(&leak).unwrap();
         let ingest = |engine: &mut Engine, from: usize, to: usize| {
             for i in from..to {
-                let name = crate::synth::file_name(i, 1);
-                let samples = crate::synth::clip("LEAK", i as u64, 4096, 10.0);
-                std::fs::write(leak.join(&name), crate::synth::wav_pcm16(&samples, 4096)).unwrap();
-                let input = Input::Load {
-                    rel: format!("LEAK/{name}"),
-                    seen: None,
-                };
-                engine.submit(vec![input]).unwrap();
+                engine.submit(vec![leak_clip(&leak, i)]).unwrap();
             }
             engine.wait().unwrap();
         };
@@ -1142,13 +1142,7 @@ mod tests {
             Engine::open_live_with(&s, Warm::Keep(Box::new(Gone(shape))), None).unwrap();
         let mut error = None;
         for i in 0..50 {
-            let name = crate::synth::file_name(i, 1);
-            let samples = crate::synth::clip("LEAK", i as u64, 4096, 10.0);
-            std::fs::write(leak.join(&name), crate::synth::wav_pcm16(&samples, 4096)).unwrap();
-            let input = Input::Load {
-                rel: format!("LEAK/{name}"),
-                seen: None,
-            };
+            let input = leak_clip(&leak, i);
             if let Err(e) = engine.submit(vec![input]) {
                 error = Some(e);
                 break;

@@ -181,10 +181,20 @@ impl NpySink {
             committed: attrs_rows,
         } = read_attributes(dir, header)?;
         let (cols, on_disk, uniform) = open_columns(dir, header, how == Open::Cut)?;
+        let committed = keep.unwrap_or(on_disk);
+        let mut exact = uniform && committed == on_disk && attrs_rows == Some(committed);
+        for c in &cols {
+            exact &= c.check_size(committed)?;
+        }
+        if how == Open::Resume && !exact {
+            // Not as this process left it: the way of any reopen, whose stale write errors are
+            // taken before the columns are opened.
+            drop(cols);
+            return Self::open(dir, header, keep, Open::Cut);
+        }
         // Rows past the headers that the manifest records (`keep`) were made durable before the
         // manifest recorded them (SplitSink::prepare), and the service stopped before it
-        // published them: they are kept (the size check below finds them, or a damaged file).
-        let committed = keep.unwrap_or(on_disk);
+        // published them: they are kept (the size check above finds them, or a damaged file).
         if committed > on_disk {
             log::info!(
                 "{}: publishing rows {on_disk}..{committed}, recorded in the manifest before the service stopped",
@@ -210,20 +220,9 @@ impl NpySink {
             staged: false,
             direct_bytes: 0,
         };
-        let mut exact = uniform && committed == on_disk && attrs_rows == Some(committed);
-        for c in &mut sink.cols {
-            exact &= c.check_size(committed)?;
-        }
         match how {
-            Open::AsIs => {}
-            // The process that synced every write of the split finds it as it left it.
-            Open::Resume if exact => {}
-            Open::Resume => {
-                for c in &sink.cols {
-                    super::take_stale_write_error(&c.path);
-                }
-                sink.cut_to(committed, committed)?;
-            }
+            // New, or as this process left it (the process that synced every write of it).
+            Open::AsIs | Open::Resume => {}
             // Nothing to cut (as after a clean stop): the columns' data and headers were made
             // durable by the fsync of each column at open (open_columns), and attributes.json's
             // replacement by this sync of its folder.
