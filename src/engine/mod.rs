@@ -695,17 +695,29 @@ impl Engine {
 
     /// Drain, commit everything, close the outputs and the manifest, and hand back the warm
     /// featuriser and the rows committed, for [`Engine::open_live_with`].
+    ///
+    /// The manifest is then opened and closed once more ([`Manifest::fold_log`]): sled folds
+    /// what was written since its last open into a new snapshot now, while nothing waits, instead
+    /// of at the reopen that the next recording waits for.
     pub fn suspend(self) -> anyhow::Result<Suspended> {
         let manifest = self.manifest.clone();
+        let dir = crate::staging::manifest_dir(&self.settings);
+        let state = self.settings.paths.state.clone();
         let (_, featuriser) = self.stop()?;
         let featuriser = featuriser.context("the featuriser thread stopped")?;
         // Every commit synced the manifest; this one syncs whatever else it holds, so that a
         // resume finding these rows may take it as closed cleanly.
         manifest.flush()?;
-        Ok(Suspended {
-            featuriser,
-            rows: manifest.rows()?,
-        })
+        let rows = manifest.rows()?;
+        // Only once closed here (a handle held elsewhere would keep sled's lock), and not on a
+        // disk too full for the reopen (which would refuse to write), as the fold writes too.
+        if let Ok(closed) = Arc::try_unwrap(manifest) {
+            drop(closed);
+            if commit::ensure_room(&state, commit::RESERVE_BYTES).is_ok() {
+                Manifest::fold_log(&dir);
+            }
+        }
+        Ok(Suspended { featuriser, rows })
     }
 
     /// After a failure: drop whatever is in flight (nothing of it is recorded) and hand back
@@ -1125,6 +1137,41 @@ mod tests {
         assert!(engine.manifest().get_file(&first).unwrap().is_some());
         ingest(&mut engine, 6, 7);
         assert_eq!(total(&engine), 7);
+        engine.finish().unwrap();
+    }
+
+    /// The engine's idle close leaves sled nothing to fold at the next open: that open writes
+    /// no new snapshot (sled names each after the log position it covers), so the recording
+    /// that waits for it does not wait for the fold. Without the fold at the close, the reopen
+    /// after a batch was recorded makes a new one.
+    #[test]
+    fn an_idle_close_leaves_the_manifest_nothing_to_fold_at_its_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Settings::in_folder(dir.path());
+        let leak = s.paths.recordings.join("LEAK");
+        std::fs::create_dir_all(&leak).unwrap();
+        let snapshots = || {
+            let mut names: Vec<String> = std::fs::read_dir(crate::staging::manifest_dir(&s))
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("snap."))
+                .collect();
+            names.sort();
+            names
+        };
+        let mut engine = Engine::open_live(&s, DeviceChoice::Cpu).unwrap();
+        for round in 0..2 {
+            let before = snapshots();
+            engine.submit(vec![leak_clip(&leak, round)]).unwrap();
+            engine.wait().unwrap();
+            let closed = engine.suspend().unwrap();
+            let folded = snapshots();
+            assert_eq!(folded.len(), 1, "one snapshot: {folded:?}");
+            assert_ne!(folded, before, "the recorded batch is folded at the close");
+            engine = Engine::open_live_with(&s, Warm::Resume(closed), None).unwrap();
+            assert_eq!(snapshots(), folded, "the reopen had nothing to fold");
+        }
+        assert_eq!(engine.manifest().rows().unwrap().iter().sum::<u64>(), 2);
         engine.finish().unwrap();
     }
 
