@@ -497,6 +497,31 @@ fn idle_files_are_closed_for_plain_readers_and_reopened_under_a_swmr_reader() {
     compare_with_rebuild(&world);
 }
 
+/// sled panicking while the idle close folds its log (`Manifest::fold_log`, as on a disk that
+/// fails while sled opens) does not stop the service: it says so, and the next recording is
+/// taken as usual.
+#[test]
+#[serial]
+fn a_panic_in_sled_while_the_idle_close_folds_its_log_stops_nothing() {
+    let world = World::new(&format!("{FAST}idle_close_s = 1\n"));
+    add(&world, 0..2);
+    let svc = Service::start_failing(&world, "fold-log=panic");
+    svc.wait("2 files committed", |s| committed(s) == 2);
+    svc.wait("closed while idle", |s| {
+        s["service"]["outputs_open"] == false
+    });
+    assert!(
+        svc.log().contains("sled failed while folding its log"),
+        "{}",
+        svc.log()
+    );
+    add(&world, 2..4);
+    svc.wait("4 files committed", |s| committed(s) == 4);
+    svc.wait("closed again", |s| s["service"]["outputs_open"] == false);
+    svc.terminate();
+    compare_with_rebuild(&world);
+}
+
 #[test]
 #[serial]
 fn folders_past_the_watch_limit_are_reported_rescanned_and_retried() {
