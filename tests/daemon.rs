@@ -869,6 +869,15 @@ fn random_changes_with_kills_and_restarts_end_equal_to_a_rebuild() {
     for reader in readers {
         println!("{}", reader.finish());
     }
+    // `status` of the stopped service (the counters it kept commit by commit) agrees with a
+    // count of the tree: one valid row per distinct usable content.
+    let st = world.status_json();
+    let valid: u64 = ["training", "validation", "testing"]
+        .iter()
+        .map(|split| st["splits"][split]["valid"].as_u64().unwrap())
+        .sum();
+    let contents = expected(&world).as_object().unwrap().len() as u64;
+    assert_eq!(valid, contents, "{st}");
     compare_with_rebuild(&world);
 }
 
