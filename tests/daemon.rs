@@ -720,7 +720,8 @@ fn an_unreadable_manifest_is_set_aside_and_rebuilt_from_the_outputs() {
 /// stopped (SIGTERM, exit 0) at random and started again at once, rescans the tree every 2 s and
 /// closes its files after 1 s idle: new recordings (renamed in, or written in two parts),
 /// copies of recordings (shared bytes), moves between labels, deletions, contents rewritten in
-/// place, files that are not recordings, folders of recordings moved in. Two SWMR readers follow
+/// place, files that are not recordings, folders of recordings moved in; `status` asked and the
+/// configuration reloaded (a changed setting) on the way. Two SWMR readers follow
 /// the outputs throughout: no row they saw may move or vanish, and no committed row may be
 /// incomplete. At the end every file in the tree is accounted for (a row or quarantined) and
 /// the outputs equal a rebuild's, row by row.
@@ -775,8 +776,10 @@ fn random_changes_with_kills_and_restarts_end_equal_to_a_rebuild() {
             66..=75 => "delete",
             76..=83 => "rewrite",
             84..=88 => "not a recording",
-            89..=91 => "folder",
-            92..=95 => "kill",
+            89..=90 => "folder",
+            91..=92 => "status",
+            93 => "reload",
+            94..=96 => "kill",
             _ => "stop",
         };
         match op {
@@ -846,6 +849,21 @@ fn random_changes_with_kills_and_restarts_end_equal_to_a_rebuild() {
                 }
                 std::fs::rename(&staged, rec.join(label).join(staged.file_name().unwrap()))
                     .unwrap();
+            }
+            "status" => {
+                // Answers at any time, the service up, starting or just killed.
+                world.status_json();
+            }
+            "reload" => {
+                // Once the service is up: a changed setting, accepted.
+                svc.wait("service up", |st| st["service"].is_object());
+                let settle = 100 + rng.next_u64() % 100;
+                let text = std::fs::read_to_string(&world.config).unwrap();
+                let (head, tail) = text.split_once("settle_ms = ").unwrap();
+                let rest = tail.split_once('\n').unwrap().1;
+                std::fs::write(&world.config, format!("{head}settle_ms = {settle}\n{rest}"))
+                    .unwrap();
+                ok(&world.run(&["reload", "--pid", &svc.pid().to_string()]));
             }
             "kill" => {
                 svc.kill9();
