@@ -497,6 +497,59 @@ fn idle_files_are_closed_for_plain_readers_and_reopened_under_a_swmr_reader() {
     compare_with_rebuild(&world);
 }
 
+/// A reader may open the files at any moment: while the service reopens them after an idle close
+/// (each recording here arrives after one) or after a kill, HDF5 must never refuse a SWMR open. A file opened
+/// read-write without SWMR first, and switched to SWMR writing after, is refused to SWMR readers
+/// in between ("file is not already open for SWMR writing").
+#[test]
+#[serial]
+fn swmr_readers_open_the_files_while_the_service_reopens_them() {
+    let world = World::new(&format!("{FAST}idle_close_s = 1\n"));
+    add(&world, 0..2);
+    let svc = Service::start(&world);
+    svc.wait("2 files committed", |s| committed(s) == 2);
+    let opener = PyReader::start(&world, "swmr_opener.py");
+    for i in 2..10 {
+        svc.wait("closed while idle", |s| {
+            s["service"]["outputs_open"] == false
+        });
+        add(&world, i..i + 1);
+        svc.wait("the next file committed", |s| committed(s) == i as u64 + 1);
+    }
+    assert!(
+        svc.log().matches("outputs closed").count() >= 8,
+        "{}",
+        svc.log()
+    );
+    // Killed with the files open (no idle close now), then started again: the restart reopens
+    // them too, its writer's status flags left in them.
+    let config = std::fs::read_to_string(&world.config).unwrap();
+    std::fs::write(
+        &world.config,
+        config.replace("idle_close_s = 1", "idle_close_s = 600"),
+    )
+    .unwrap();
+    ok(&world.run(&["reload", "--pid", &svc.pid().to_string()]));
+    add(&world, 10..11);
+    svc.wait("the file before the kill committed", |s| {
+        committed(s) == 11 && s["service"]["outputs_open"] == true
+    });
+    svc.kill9();
+    let svc = Service::start(&world);
+    add(&world, 11..12);
+    svc.wait("the file after the restart committed", |s| {
+        committed(s) == 12
+    });
+    println!("{}", opener.finish());
+    assert!(
+        svc.log().contains("assuming its writer was killed"),
+        "{}",
+        svc.log()
+    );
+    svc.terminate();
+    compare_with_rebuild(&world);
+}
+
 /// sled panicking while the idle close folds its log (`Manifest::fold_log`, as on a disk that
 /// fails while sled opens) does not stop the service: it says so, and the next recording is
 /// taken as usual.

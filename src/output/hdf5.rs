@@ -41,7 +41,9 @@ use hdf5::types::{TypeDescriptor, VarLenUnicode};
 use hdf5::{Dataset, Datatype, Extent, File, SimpleExtents};
 use hdf5_sys::h5a::{H5Aread, H5Awrite};
 use hdf5_sys::h5d::{H5Dget_space, H5Dwrite};
-use hdf5_sys::h5f::{H5F_scope_t, H5Fflush, H5Fget_vfd_handle, H5Fopen, H5F_ACC_RDWR};
+use hdf5_sys::h5f::{
+    H5F_scope_t, H5Fflush, H5Fget_vfd_handle, H5Fopen, H5F_ACC_RDWR, H5F_ACC_SWMR_WRITE,
+};
 use hdf5_sys::h5i::hid_t;
 use hdf5_sys::h5p::{H5Pset, H5P_DEFAULT};
 use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab};
@@ -305,6 +307,11 @@ impl Hdf5Sink {
         if !clean_close {
             super::take_stale_write_error(path);
         }
+        if swmr {
+            if let Some(sink) = Self::open_swmr_as_is(path, header, keep)? {
+                return Ok(sink);
+            }
+        }
         let file = open_rw_recovering(path, header)?;
         let labels = check_layout(path, &file, header)?;
         let (committed_ds, committed) = read_committed_rows(path, &file)?;
@@ -334,6 +341,71 @@ impl Hdf5Sink {
         }
         sink.broken = false;
         Ok(sink)
+    }
+
+    /// Open a file that needs no repair straight for SWMR writing (read-write and SWMR write at
+    /// once). Opened read-write first and switched to SWMR writing after, as the repairs need,
+    /// its superblock says "open for write" without SWMR in between, and HDF5 refuses every
+    /// SWMR reader that opens it then ("file is not already open for SWMR writing"): a trainer
+    /// starting while the service reopens its files after an idle close or a restart. None when
+    /// the file needs the repairs of [`Hdf5Sink::open_append`]: HDF5 refuses the open (a
+    /// killed writer's status flags), its rows are not exactly `committed_rows` = `keep`, or
+    /// its label attributes must grow. The file is then closed again, as it was.
+    fn open_swmr_as_is(
+        path: &Path,
+        header: &OutputHeader,
+        keep: Option<u64>,
+    ) -> Result<Option<Self>> {
+        let file = match h5fopen_swmr(path, &file_access(header, false)?, false) {
+            Ok(f) => f,
+            // A writer killed while the file was open leaves its status flags: cleared as in
+            // `open_rw_recovering` (the caller's writer lock makes that safe).
+            Err(first) => match h5fopen_swmr(path, &file_access(header, false)?, true) {
+                Ok(f) => {
+                    log::warn!(
+                        "{}: {first:#}; assuming its writer was killed and recovering it",
+                        path.display()
+                    );
+                    f
+                }
+                Err(e) => {
+                    log::debug!(
+                        "{}: not opened straight for SWMR writing ({e:#})",
+                        path.display()
+                    );
+                    return Ok(None);
+                }
+            },
+        };
+        let labels = check_layout(path, &file, header)?;
+        let (committed_ds, committed) = read_committed_rows(path, &file)?;
+        let rows_as_recorded = keep.is_none_or(|k| k == committed)
+            && columns(header).iter().all(|spec| {
+                file.dataset(spec.name)
+                    .is_ok_and(|ds| ds.shape().first() == Some(&(committed as usize)))
+            });
+        if !rows_as_recorded || !label_room(&file)? {
+            return Ok(None);
+        }
+        let cols = open_columns(path, &file, header, committed, keep)?;
+        let sink = Hdf5Sink {
+            cols,
+            committed_ds: Some(committed_ds),
+            file: Some(file),
+            path: path.to_path_buf(),
+            swmr: true,
+            len: committed,
+            committed,
+            prepared: committed,
+            labels,
+            dirty: false,
+            header: header.clone(),
+            staged: false,
+            recycler: Recycler::default(),
+            broken: false,
+        };
+        sink.flush_and_sync()?;
+        Ok(Some(sink))
     }
 
     /// Bring a reopened file's rows to what the caller's records account for (`keep`), or to
@@ -453,16 +525,10 @@ impl Hdf5Sink {
     fn ensure_label_room(&mut self) -> Result<()> {
         let file = self.file()?;
         for name in LABEL_ATTRS {
-            let value = read_text_attr(file, name)?;
-            let attr = file.attr(name)?;
-            let fixed = matches!(
-                attr.dtype()?.to_descriptor()?,
-                TypeDescriptor::FixedUnicode(_)
-            );
-            if fixed && attr.dtype()?.size() >= 2 * value.len() {
+            if label_attr_has_room(file, name)? {
                 continue;
             }
-            drop(attr);
+            let value = read_text_attr(file, name)?;
             file.delete_attr(name)?;
             let capacity = (2 * value.len()).max(LABEL_ATTR_MIN_BYTES);
             file.new_attr_builder()
@@ -1033,6 +1099,21 @@ fn open_rw(path: &Path, header: &OutputHeader, clear_flags: bool) -> Result<File
 
 /// `H5Fopen` read-write with `fapl`, clearing the status flags first when asked.
 fn h5fopen_rw(path: &Path, fapl: &FileAccess, clear_flags: bool) -> Result<File> {
+    h5fopen(path, fapl, H5F_ACC_RDWR, clear_flags)
+}
+
+/// `H5Fopen` read-write and SWMR writing at once (readers see the file open for SWMR writing
+/// from the start), clearing the status flags first when asked.
+fn h5fopen_swmr(path: &Path, fapl: &FileAccess, clear_flags: bool) -> Result<File> {
+    h5fopen(path, fapl, H5F_ACC_RDWR | H5F_ACC_SWMR_WRITE, clear_flags)
+}
+
+fn h5fopen(
+    path: &Path,
+    fapl: &FileAccess,
+    flags: std::ffi::c_uint,
+    clear_flags: bool,
+) -> Result<File> {
     let name = CString::new(path.as_os_str().as_encoded_bytes())
         .with_context(|| format!("{}: path contains a NUL byte", path.display()))?;
     let prop = CString::new(CLEAR_STATUS_FLAGS).unwrap();
@@ -1045,7 +1126,7 @@ fn h5fopen_rw(path: &Path, fapl: &FileAccess, clear_flags: bool) -> Result<File>
                 &mut yes as *mut bool as *mut c_void,
             ))?;
         }
-        let id = hdf5::h5check(H5Fopen(name.as_ptr(), H5F_ACC_RDWR, fapl.id()))?;
+        let id = hdf5::h5check(H5Fopen(name.as_ptr(), flags, fapl.id()))?;
         let file = hdf5::from_id::<File>(id)?;
         // A SWMR writer killed mid-append can leave chunks (and the index entries pointing at
         // them) past the end of the file its superblock records, which is only rewritten at a
@@ -1056,6 +1137,26 @@ fn h5fopen_rw(path: &Path, fapl: &FileAccess, clear_flags: bool) -> Result<File>
         Ok::<_, hdf5::Error>(file)
     })
     .map_err(anyhow::Error::from)
+}
+
+/// Whether a label attribute (`labels_json`, `label2id_json`) is a fixed-length string with room
+/// for twice its text, so that a SWMR writer can rewrite it in place
+/// ([`Hdf5Sink::set_labels`]).
+fn label_attr_has_room(file: &File, name: &str) -> Result<bool> {
+    let value = read_text_attr(file, name)?;
+    let dtype = file.attr(name)?.dtype()?;
+    let fixed = matches!(dtype.to_descriptor()?, TypeDescriptor::FixedUnicode(_));
+    Ok(fixed && dtype.size() >= 2 * value.len())
+}
+
+/// [`label_attr_has_room`] for every label attribute.
+fn label_room(file: &File) -> Result<bool> {
+    for name in LABEL_ATTRS {
+        if !label_attr_has_room(file, name)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 extern "C" {
