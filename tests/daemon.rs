@@ -728,18 +728,45 @@ fn an_unreadable_manifest_is_set_aside_and_rebuilt_from_the_outputs() {
 #[test]
 #[serial]
 fn random_changes_with_kills_and_restarts_end_equal_to_a_rebuild() {
-    const CONFIG: &str = "[ingest]\nsettle_ms = 100\nquarantine_after_s = 2\nmax_batch_latency_ms = 10\nrescan_interval_s = 2\nidle_close_s = 1\ndevice = \"cpu\"\n";
+    random_changes("", &[""], 7);
+}
+
+/// [`random_changes_with_kills_and_restarts_end_equal_to_a_rebuild`] with the splits taken from
+/// the tree's top folders (`splits.mode = "directory"`): moves between those folders move
+/// recordings between splits.
+#[test]
+#[serial]
+fn random_changes_with_directory_splits_end_equal_to_a_rebuild() {
+    random_changes(
+        "[splits]\nmode = \"directory\"\ndirectories = { train = \"training\", val = \"validation\", test = \"testing\" }\n",
+        &["train/", "val/", "test/"],
+        11,
+    );
+}
+
+/// The stream of [`random_changes_with_kills_and_restarts_end_equal_to_a_rebuild`]: `splits`
+/// is the configuration's `[splits]` table (or nothing), `tops` the folders above the label
+/// folders (each empty or ending with `/`).
+fn random_changes(splits: &str, tops: &[&str], seed: u64) {
     const LABELS: [&str; 3] = ["LEAK", "NORMAL", "CRACK"];
-    let world = World::new(CONFIG);
+    let config = format!("[ingest]\nsettle_ms = 100\nquarantine_after_s = 2\nmax_batch_latency_ms = 10\nrescan_interval_s = 2\nidle_close_s = 1\ndevice = \"cpu\"\n{splits}");
+    let world = World::new(&config);
     let rec = world.rec();
-    let mut rng = ailhd::synth::Rng::new(7);
+    let label_at = usize::from(!tops[0].is_empty());
+    let mut rng = ailhd::synth::Rng::new(seed);
+    // A label folder, under one of the top folders.
+    let folder = |rng: &mut ailhd::synth::Rng| {
+        let top = tops[rng.next_u64() as usize % tops.len()];
+        let label = LABELS[rng.next_u64() as usize % LABELS.len()];
+        (label, format!("{top}{label}"))
+    };
     let mut serial = 0usize;
     let mut new_path = |rng: &mut ailhd::synth::Rng| {
         serial += 1;
-        let label = LABELS[rng.next_u64() as usize % LABELS.len()];
+        let (label, dir) = folder(rng);
         (
             label,
-            format!("{label}/{}", ailhd::synth::file_name(serial, 5)),
+            format!("{dir}/{}", ailhd::synth::file_name(serial, 5)),
         )
     };
     for _ in 0..40 {
@@ -805,9 +832,9 @@ fn random_changes_with_kills_and_restarts_end_equal_to_a_rebuild() {
             }
             "move" => {
                 if let Some(src) = pick(&mut rng) {
-                    let label = LABELS[rng.next_u64() as usize % LABELS.len()];
+                    let (_, dir) = folder(&mut rng);
                     let name = Path::new(&src).file_name().unwrap();
-                    let dst = rec.join(label).join(name);
+                    let dst = rec.join(dir).join(name);
                     if !dst.exists() {
                         let _ = std::fs::rename(rec.join(&src), dst);
                     }
@@ -820,7 +847,7 @@ fn random_changes_with_kills_and_restarts_end_equal_to_a_rebuild() {
             }
             "rewrite" => {
                 if let Some(src) = pick(&mut rng) {
-                    let label = src.split('/').next().unwrap();
+                    let label = src.split('/').nth(label_at).unwrap();
                     // Rewritten in place: truncated, then the new bytes.
                     if let Ok(mut f) = std::fs::OpenOptions::new()
                         .write(true)
@@ -838,7 +865,7 @@ fn random_changes_with_kills_and_restarts_end_equal_to_a_rebuild() {
                 write_via_rename(&rec, &rel, &junk);
             }
             "folder" => {
-                let label = LABELS[rng.next_u64() as usize % LABELS.len()];
+                let (label, dir) = folder(&mut rng);
                 folders += 1;
                 let staged = world.dir.path().join(format!("folder-{folders}"));
                 std::fs::create_dir(&staged).unwrap();
@@ -847,8 +874,7 @@ fn random_changes_with_kills_and_restarts_end_equal_to_a_rebuild() {
                     let name = Path::new(&rel).file_name().unwrap();
                     std::fs::write(staged.join(name), clip_wav(label, rng.next_u64())).unwrap();
                 }
-                std::fs::rename(&staged, rec.join(label).join(staged.file_name().unwrap()))
-                    .unwrap();
+                std::fs::rename(&staged, rec.join(dir).join(staged.file_name().unwrap())).unwrap();
             }
             "status" => {
                 // Answers at any time, the service up, starting or just killed.
@@ -894,9 +920,9 @@ fn random_changes_with_kills_and_restarts_end_equal_to_a_rebuild() {
         .iter()
         .map(|split| st["splits"][split]["valid"].as_u64().unwrap())
         .sum();
-    let contents = expected(&world).as_object().unwrap().len() as u64;
+    let contents = expected_in(&world, label_at).as_object().unwrap().len() as u64;
     assert_eq!(valid, contents, "{st}");
-    compare_with_rebuild(&world);
+    compare_with_rebuild_as(&world, splits, label_at);
 }
 
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {

@@ -191,6 +191,12 @@ pub fn write_via_rename(rec: &Path, rel: &str, bytes: &[u8]) {
 
 /// What the tree holds now: hash -> labels its paths allow.
 pub fn expected(world: &World) -> serde_json::Value {
+    expected_in(world, 0)
+}
+
+/// [`expected`] for a tree whose label folders are at depth `label_at` (1 in directory split
+/// mode: `SPLIT/LABEL/...`).
+pub fn expected_in(world: &World, label_at: usize) -> serde_json::Value {
     let names = ailhd::config::Settings::default().labels.names;
     let mut map: BTreeMap<String, Vec<i16>> = BTreeMap::new();
     let files = ailhd::source::scan(&world.rec()).unwrap();
@@ -204,7 +210,7 @@ pub fn expected(world: &World) -> serde_json::Value {
         }
         let Some(label) = names
             .iter()
-            .position(|n| rel.split('/').next() == Some(n.as_str()))
+            .position(|n| rel.split('/').nth(label_at) == Some(n.as_str()))
         else {
             continue;
         };
@@ -220,16 +226,22 @@ pub fn expected(world: &World) -> serde_json::Value {
 
 /// Rebuild the same tree elsewhere and compare row by row with the daemon's outputs.
 pub fn compare_with_rebuild(world: &World) {
+    compare_with_rebuild_as(world, "", 0)
+}
+
+/// [`compare_with_rebuild`] with `splits_toml` (a `[splits]` table, or nothing) in the
+/// rebuild's configuration, for a tree whose label folders are at depth `label_at`.
+pub fn compare_with_rebuild_as(world: &World, splits_toml: &str, label_at: usize) {
     let other = World::new("");
     let cfg = format!(
-        "[paths]\nrecordings = {:?}\noutput = {:?}\nstate = {:?}\n[ingest]\ndevice = \"cpu\"\n",
+        "[paths]\nrecordings = {:?}\noutput = {:?}\nstate = {:?}\n[ingest]\ndevice = \"cpu\"\n{splits_toml}",
         world.rec(),
         other.out(),
         other.state()
     );
     std::fs::write(&other.config, cfg).unwrap();
     ok(&other.run(&["rebuild"]));
-    let spec = serde_json::json!({"daemon_out": world.out(), "rebuild_out": other.out(), "expect": expected(world)});
+    let spec = serde_json::json!({"daemon_out": world.out(), "rebuild_out": other.out(), "expect": expected_in(world, label_at)});
     let p = world.dir.path().join("compare.json");
     std::fs::write(&p, serde_json::to_vec(&spec).unwrap()).unwrap();
     println!("{}", python("compare_rows.py", &[p.to_str().unwrap()]));
