@@ -498,7 +498,8 @@ fn idle_files_are_closed_for_plain_readers_and_reopened_under_a_swmr_reader() {
 }
 
 /// A reader may open the files at any moment: while the service reopens them after an idle close
-/// (each recording here arrives after one) or after a kill, HDF5 must never refuse a SWMR open. A file opened
+/// (each recording here arrives after one) or after a kill, also one that left rows to
+/// publish, HDF5 must never refuse a SWMR open. A file opened
 /// read-write without SWMR first, and switched to SWMR writing after, is refused to SWMR readers
 /// in between ("file is not already open for SWMR writing").
 #[test]
@@ -540,12 +541,43 @@ fn swmr_readers_open_the_files_while_the_service_reopens_them() {
     svc.wait("the file after the restart committed", |s| {
         committed(s) == 12
     });
-    println!("{}", opener.finish());
     assert!(
         svc.log().contains("assuming its writer was killed"),
         "{}",
         svc.log()
     );
+    // Killed with a batch's rows written past committed_rows (a fail point of test builds
+    // holds the batch between the manifest's flush and the publish), four times: each restart
+    // publishes them, the files open for SWMR writing all along.
+    let rows_written = || {
+        [
+            "TRAINING_DATASET.H5",
+            "VALIDATION_DATASET.H5",
+            "TESTING_DATASET.H5",
+        ]
+        .iter()
+        .map(|n| {
+            ailhd::output::read::SwmrSplit::open(&world.out().join(n))
+                .and_then(|f| f.extent("blake3"))
+                .unwrap_or(0)
+        })
+        .sum::<u64>()
+    };
+    let mut svc = svc;
+    for i in 12..16 {
+        svc.terminate();
+        let stalled = Service::start_failing(&world, "commit-before-publish=1*sleep(120000)");
+        add(&world, i..i + 1);
+        stalled.wait_for("the batch's rows on disk, beyond committed_rows", || {
+            rows_written() > i as u64
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        stalled.kill9();
+        svc = Service::start(&world);
+        svc.wait("the batch published", |s| committed(s) == i as u64 + 1);
+        assert!(svc.log().contains("publishing rows"), "{}", svc.log());
+    }
+    println!("{}", opener.finish());
     svc.terminate();
     compare_with_rebuild(&world);
 }

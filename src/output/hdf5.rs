@@ -308,7 +308,7 @@ impl Hdf5Sink {
             super::take_stale_write_error(path);
         }
         if swmr {
-            if let Some(sink) = Self::open_swmr_as_is(path, header, keep)? {
+            if let Some(sink) = Self::open_swmr(path, header, keep)? {
                 return Ok(sink);
             }
         }
@@ -343,19 +343,17 @@ impl Hdf5Sink {
         Ok(sink)
     }
 
-    /// Open a file that needs no repair straight for SWMR writing (read-write and SWMR write at
-    /// once). Opened read-write first and switched to SWMR writing after, as the repairs need,
-    /// its superblock says "open for write" without SWMR in between, and HDF5 refuses every
-    /// SWMR reader that opens it then ("file is not already open for SWMR writing"): a trainer
-    /// starting while the service reopens its files after an idle close or a restart. None when
-    /// the file needs the repairs of [`Hdf5Sink::open_append`]: HDF5 refuses the open (a
-    /// killed writer's status flags), its rows are not exactly `committed_rows` = `keep`, or
-    /// its label attributes must grow. The file is then closed again, as it was.
-    fn open_swmr_as_is(
-        path: &Path,
-        header: &OutputHeader,
-        keep: Option<u64>,
-    ) -> Result<Option<Self>> {
+    /// Open a file straight for SWMR writing (read-write and SWMR write at once), and bring its
+    /// rows to `keep` there. Opened read-write first and switched to SWMR writing after, its
+    /// superblock says "open for write" without SWMR in between, and HDF5 refuses every SWMR
+    /// reader that opens it then ("file is not already open for SWMR writing"): a trainer
+    /// starting while the service reopens its files after an idle close or a restart, or for
+    /// as long as a writer killed in between leaves it so. Rows are only cut past
+    /// `committed_rows` or published below the rows written, which SWMR readers never read
+    /// past. None when the file needs the plain open of [`Hdf5Sink::open_append`]: HDF5
+    /// refuses the open even with the status flags cleared, or its label attributes must grow
+    /// (a change of the file's structure); the file is then closed again, as it was.
+    fn open_swmr(path: &Path, header: &OutputHeader, keep: Option<u64>) -> Result<Option<Self>> {
         let file = match h5fopen_swmr(path, &file_access(header, false)?, false) {
             Ok(f) => f,
             // A writer killed while the file was open leaves its status flags: cleared as in
@@ -379,16 +377,11 @@ impl Hdf5Sink {
         };
         let labels = check_layout(path, &file, header)?;
         let (committed_ds, committed) = read_committed_rows(path, &file)?;
-        let rows_as_recorded = keep.is_none_or(|k| k == committed)
-            && columns(header).iter().all(|spec| {
-                file.dataset(spec.name)
-                    .is_ok_and(|ds| ds.shape().first() == Some(&(committed as usize)))
-            });
-        if !rows_as_recorded || !label_room(&file)? {
+        if !label_room(&file)? {
             return Ok(None);
         }
         let cols = open_columns(path, &file, header, committed, keep)?;
-        let sink = Hdf5Sink {
+        let mut sink = Hdf5Sink {
             cols,
             committed_ds: Some(committed_ds),
             file: Some(file),
@@ -402,9 +395,12 @@ impl Hdf5Sink {
             header: header.clone(),
             staged: false,
             recycler: Recycler::default(),
-            broken: false,
+            // Until it is fully open: an error on the way only closes the file.
+            broken: true,
         };
+        sink.settle_rows(keep)?;
         sink.flush_and_sync()?;
+        sink.broken = false;
         Ok(Some(sink))
     }
 
