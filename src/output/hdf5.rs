@@ -313,27 +313,7 @@ impl Hdf5Sink {
             }
         }
         let file = open_rw_recovering(path, header)?;
-        let labels = check_layout(path, &file, header)?;
-        let (committed_ds, committed) = read_committed_rows(path, &file)?;
-        let cols = open_columns(path, &file, header, committed, keep)?;
-        let mut sink = Hdf5Sink {
-            cols,
-            committed_ds: Some(committed_ds),
-            file: Some(file),
-            path: path.to_path_buf(),
-            swmr: false,
-            len: committed,
-            committed,
-            prepared: committed,
-            labels,
-            dirty: false,
-            header: header.clone(),
-            staged: false,
-            recycler: Recycler::default(),
-            // Until it is fully open: an error on the way only closes the file.
-            broken: true,
-        };
-        sink.settle_rows(keep)?;
+        let mut sink = Self::adopt(path, header, file, false, keep)?;
         sink.ensure_label_room()?;
         sink.flush_and_sync()?;
         if swmr {
@@ -375,18 +355,36 @@ impl Hdf5Sink {
                 }
             },
         };
-        let labels = check_layout(path, &file, header)?;
-        let (committed_ds, committed) = read_committed_rows(path, &file)?;
-        if !label_room(&file)? {
+        // Room to grow the label list (or not: the plain open makes it, or says what is wrong
+        // with the file).
+        if !label_room(&file).unwrap_or(false) {
             return Ok(None);
         }
+        let mut sink = Self::adopt(path, header, file, true, keep)?;
+        sink.flush_and_sync()?;
+        sink.broken = false;
+        Ok(Some(sink))
+    }
+
+    /// A sink over `file`, just opened for appending (`swmr`: for SWMR writing too): its layout
+    /// checked, its rows brought to `keep` ([`Hdf5Sink::settle_rows`]). Marked broken until the
+    /// caller has done the rest of the open.
+    fn adopt(
+        path: &Path,
+        header: &OutputHeader,
+        file: File,
+        swmr: bool,
+        keep: Option<u64>,
+    ) -> Result<Self> {
+        let labels = check_layout(path, &file, header)?;
+        let (committed_ds, committed) = read_committed_rows(path, &file)?;
         let cols = open_columns(path, &file, header, committed, keep)?;
         let mut sink = Hdf5Sink {
             cols,
             committed_ds: Some(committed_ds),
             file: Some(file),
             path: path.to_path_buf(),
-            swmr: true,
+            swmr,
             len: committed,
             committed,
             prepared: committed,
@@ -399,9 +397,7 @@ impl Hdf5Sink {
             broken: true,
         };
         sink.settle_rows(keep)?;
-        sink.flush_and_sync()?;
-        sink.broken = false;
-        Ok(Some(sink))
+        Ok(sink)
     }
 
     /// Bring a reopened file's rows to what the caller's records account for (`keep`), or to
