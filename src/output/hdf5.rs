@@ -312,7 +312,7 @@ impl Hdf5Sink {
                 return Ok(sink);
             }
         }
-        let file = open_rw_recovering(path, header)?;
+        let file = open_recovering(path, header, H5F_ACC_RDWR)?;
         let mut sink = Self::adopt(path, header, file, false, keep)?;
         sink.ensure_label_room()?;
         sink.flush_and_sync()?;
@@ -334,26 +334,15 @@ impl Hdf5Sink {
     /// refuses the open even with the status flags cleared, or its label attributes must grow
     /// (a change of the file's structure); the file is then closed again, as it was.
     fn open_swmr(path: &Path, header: &OutputHeader, keep: Option<u64>) -> Result<Option<Self>> {
-        let file = match h5fopen_swmr(path, &file_access(header, false)?, false) {
+        let file = match open_recovering(path, header, H5F_ACC_RDWR | H5F_ACC_SWMR_WRITE) {
             Ok(f) => f,
-            // A writer killed while the file was open leaves its status flags: cleared as in
-            // `open_rw_recovering` (the caller's writer lock makes that safe).
-            Err(first) => match h5fopen_swmr(path, &file_access(header, false)?, true) {
-                Ok(f) => {
-                    log::warn!(
-                        "{}: {first:#}; assuming its writer was killed and recovering it",
-                        path.display()
-                    );
-                    f
-                }
-                Err(e) => {
-                    log::debug!(
-                        "{}: not opened straight for SWMR writing ({e:#})",
-                        path.display()
-                    );
-                    return Ok(None);
-                }
-            },
+            Err(e) => {
+                log::debug!(
+                    "{}: not opened straight for SWMR writing ({e:#})",
+                    path.display()
+                );
+                return Ok(None);
+            }
         };
         // Room to grow the label list (or not: the plain open makes it, or says what is wrong
         // with the file).
@@ -962,19 +951,20 @@ fn file_access(header: &OutputHeader, staged: bool) -> Result<FileAccess> {
         .finish()?)
 }
 
-/// Open an existing file read-write; a file HDF5 refuses (HDF5's "file is already open for
-/// write (may use `h5clear file` ...)", or "file is not already open for SWMR writing": a writer
-/// without SWMR was killed, as a recovery's plain open was) is tried once more with the status
+/// Open an existing file with `flags` (read-write, and SWMR writing with
+/// `H5F_ACC_SWMR_WRITE`); a file HDF5 refuses (HDF5's "file is already open for write (may use
+/// `h5clear file` ...)", or "file is not already open for SWMR writing": a writer without SWMR
+/// was killed, as a plain open for a label list's room was) is tried once more with the status
 /// flags cleared.
-fn open_rw_recovering(path: &Path, header: &OutputHeader) -> Result<File> {
-    match open_rw(path, header, false) {
+fn open_recovering(path: &Path, header: &OutputHeader, flags: std::ffi::c_uint) -> Result<File> {
+    match open_with(path, header, flags, false) {
         Ok(f) => Ok(f),
         Err(first) => {
             log::warn!(
                 "{}: {first:#}; assuming its writer was killed and recovering it",
                 path.display()
             );
-            open_rw(path, header, true).with_context(|| {
+            open_with(path, header, flags, true).with_context(|| {
                 format!(
                     "{}: cannot be opened for appending even with HDF5's status flags \
                      cleared (first attempt: {first:#}); if it stays unreadable, move it away \
@@ -1082,24 +1072,20 @@ fn open_columns(
     Ok(cols)
 }
 
-/// Open read-write; with `clear_flags`, first clear the superblock's "open for write" status
-/// flags a killed writer left (what `h5clear -s` does, through the same property).
-fn open_rw(path: &Path, header: &OutputHeader, clear_flags: bool) -> Result<File> {
-    h5fopen_rw(path, &file_access(header, false)?, clear_flags)
+/// Open with `flags` for appending; with `clear_flags`, first clear the superblock's "open for
+/// write" status flags a killed writer left (what `h5clear -s` does, through the same property).
+fn open_with(
+    path: &Path,
+    header: &OutputHeader,
+    flags: std::ffi::c_uint,
+    clear_flags: bool,
+) -> Result<File> {
+    h5fopen(path, &file_access(header, false)?, flags, clear_flags)
         .with_context(|| format!("{}: opening HDF5 file for appending", path.display()))
 }
 
-/// `H5Fopen` read-write with `fapl`, clearing the status flags first when asked.
-fn h5fopen_rw(path: &Path, fapl: &FileAccess, clear_flags: bool) -> Result<File> {
-    h5fopen(path, fapl, H5F_ACC_RDWR, clear_flags)
-}
-
-/// `H5Fopen` read-write and SWMR writing at once (readers see the file open for SWMR writing
-/// from the start), clearing the status flags first when asked.
-fn h5fopen_swmr(path: &Path, fapl: &FileAccess, clear_flags: bool) -> Result<File> {
-    h5fopen(path, fapl, H5F_ACC_RDWR | H5F_ACC_SWMR_WRITE, clear_flags)
-}
-
+/// `H5Fopen` with `flags` (read-write, perhaps SWMR writing too) and `fapl`, clearing the
+/// status flags first when asked.
 fn h5fopen(
     path: &Path,
     fapl: &FileAccess,
@@ -1162,14 +1148,15 @@ extern "C" {
 
 /// Clear the superblock's "open for write" status flags a killed writer left (`h5clear -s`),
 /// so that readers open the file again: a writer killed while it had the file open without SWMR
-/// (a recovery's plain open) leaves flags that SWMR readers refuse too ("file is not already
-/// open for SWMR writing"). Only for the holder of the writer lock (see [`Hdf5Sink::open_append`]).
+/// (a plain open, as for a grown label list's room, or one of an older version) leaves flags
+/// that SWMR readers refuse too ("file is not already open for SWMR writing"). Only for the
+/// holder of the writer lock (see [`Hdf5Sink::open_append`]).
 pub fn clear_status_flags(path: &Path) -> Result<()> {
     let fapl = FileAccess::build()
         .libver_bounds(LibraryVersion::V110, LibraryVersion::V110)
         .file_locking(false)
         .finish()?;
-    h5fopen_rw(path, &fapl, true)
+    h5fopen(path, &fapl, H5F_ACC_RDWR, true)
         .and_then(|file| Ok(file.close()?))
         .with_context(|| format!("{}: clearing HDF5's status flags", path.display()))
 }
