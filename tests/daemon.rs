@@ -401,30 +401,6 @@ fn a_lost_state_is_rebuilt_from_the_outputs_and_no_row_moves() {
     compare_with_rebuild(&world);
 }
 
-/// Committed rows per split of the HDF5 outputs, read as a SWMR reader does (the service may run).
-fn committed_rows(world: &World) -> Vec<u64> {
-    per_split(world, |f| f.refresh())
-}
-
-/// `f` of each split's HDF5 file, opened as an SWMR reader.
-fn per_split(
-    world: &World,
-    f: impl Fn(&mut ailhd::output::read::SwmrSplit) -> anyhow::Result<u64>,
-) -> Vec<u64> {
-    [
-        "TRAINING_DATASET.H5",
-        "VALIDATION_DATASET.H5",
-        "TESTING_DATASET.H5",
-    ]
-    .iter()
-    .map(|n| {
-        ailhd::output::read::SwmrSplit::open(&world.out().join(n))
-            .and_then(|mut s| f(&mut s))
-            .unwrap()
-    })
-    .collect()
-}
-
 /// The window between the manifest and the publish of a batch (src/engine/commit.rs): the
 /// manifest has recorded it, its rows are durable in the outputs, `committed_rows` has not
 /// moved yet, and the service is killed. The next start publishes those rows: committed_rows
@@ -570,11 +546,6 @@ fn a_slow_batch_is_logged_with_the_stage_that_took_the_time() {
         assert!(stage_ms(other) < 500.0, "{other}: {}", lines[0]);
     }
     svc.terminate();
-}
-
-/// Rows each split's HDF5 file holds (its datasets' extent), committed or not.
-fn hdf5_extents(world: &World) -> Vec<u64> {
-    per_split(world, |f| f.extent("blake3"))
 }
 
 /// The comparison of the tree with the manifest at start-up runs beside the ingest: a recording

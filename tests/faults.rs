@@ -549,27 +549,13 @@ fn swmr_readers_open_the_files_while_the_service_reopens_them() {
     // Killed with a batch's rows written past committed_rows (a fail point of test builds
     // holds the batch between the manifest's flush and the publish), four times: each restart
     // publishes them, the files open for SWMR writing all along.
-    let rows_written = || {
-        [
-            "TRAINING_DATASET.H5",
-            "VALIDATION_DATASET.H5",
-            "TESTING_DATASET.H5",
-        ]
-        .iter()
-        .map(|n| {
-            ailhd::output::read::SwmrSplit::open(&world.out().join(n))
-                .and_then(|f| f.extent("blake3"))
-                .unwrap_or(0)
-        })
-        .sum::<u64>()
-    };
     let mut svc = svc;
     for i in 12..16 {
         svc.terminate();
         let stalled = Service::start_failing(&world, "commit-before-publish=1*sleep(120000)");
         add(&world, i..i + 1);
         stalled.wait_for("the batch's rows on disk, beyond committed_rows", || {
-            rows_written() > i as u64
+            hdf5_extents(&world).iter().sum::<u64>() > i as u64
         });
         std::thread::sleep(Duration::from_millis(500));
         stalled.kill9();

@@ -311,3 +311,32 @@ impl PyReader {
         text
     }
 }
+
+/// Committed rows per split of the HDF5 outputs, read as a SWMR reader does (the service may run).
+pub fn committed_rows(world: &World) -> Vec<u64> {
+    per_split(world, |f| f.refresh())
+}
+
+/// `f` of each split's HDF5 file, opened as an SWMR reader.
+pub fn per_split(
+    world: &World,
+    f: impl Fn(&mut ailhd::output::read::SwmrSplit) -> anyhow::Result<u64>,
+) -> Vec<u64> {
+    [
+        "TRAINING_DATASET.H5",
+        "VALIDATION_DATASET.H5",
+        "TESTING_DATASET.H5",
+    ]
+    .iter()
+    .map(|n| {
+        ailhd::output::read::SwmrSplit::open(&world.out().join(n))
+            .and_then(|mut s| f(&mut s))
+            .unwrap()
+    })
+    .collect()
+}
+
+/// Rows each split's HDF5 file holds (its datasets' extent), committed or not.
+pub fn hdf5_extents(world: &World) -> Vec<u64> {
+    per_split(world, |f| f.extent("blake3"))
+}
