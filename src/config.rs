@@ -475,9 +475,9 @@ pub struct Ingest {
     /// After this many seconds without work the service closes its files cleanly, so any
     /// reader opens them plainly; the next file reopens them. 0 = keep them open.
     pub idle_close_s: u64,
-    /// Memory (MiB) the manifest may keep as a cache of its records. sled keeps more: a
-    /// structure per page of the open manifest, and up to ~35 MB of the pages a pass over the
-    /// records read, until the manifest closes (docs/operations.md).
+    /// Memory (MiB) the manifest may keep as a cache of its records (in sled's count: about
+    /// twice that resident). sled keeps a structure per page of the open manifest on top, until
+    /// the manifest closes (docs/operations.md).
     pub manifest_cache_mb: u64,
 }
 
