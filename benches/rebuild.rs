@@ -146,7 +146,7 @@ fn main() {
 fn warm_cache(tree: &std::path::Path) {
     use std::io::Read;
     let mut buf = Vec::new();
-    for found in ailhd::source::scan(tree).unwrap() {
+    for found in ailhd::source::scan(tree).unwrap().iter() {
         buf.clear();
         if let Ok(mut f) = std::fs::File::open(tree.join(found.rel())) {
             let _ = f.read_to_end(&mut buf);

@@ -10,7 +10,7 @@ use crate::features;
 use crate::identity::LabelSet;
 use crate::lock::WriterLocks;
 use crate::shard::{Shard, ShardRecord, SharedContent};
-use crate::source::{self, Found};
+use crate::source::{self, Item, Listing};
 use crate::staging;
 use std::time::{Duration, Instant};
 
@@ -92,7 +92,7 @@ pub fn rebuild(
 /// What start-up gives: the tree's listing, the labels the old manifest appended, the
 /// featuriser and the empty staging stores.
 type Started = (
-    Vec<Found>,
+    Listing,
     Before,
     Box<dyn features::Featuriser>,
     crate::engine::BulkStores,
@@ -227,7 +227,7 @@ pub fn rebuild_with(
             found.iter().map(|f| f.rel()),
             settings,
         );
-        found.retain(|f| s.contains(f.rel()));
+        found.retain(|rel| s.contains(rel));
         record
     });
     let batch = featuriser.bulk_batch().max(1);
@@ -301,13 +301,13 @@ pub fn rebuild_with(
 /// The label ids: the configured names, those the old manifest appended, then folders appended
 /// under `labels.unknown = "append"` in path order (over the whole tree, so that every shard
 /// numbers them alike).
-fn label_ids(settings: &Settings, found: &[Found], appended_before: &[String]) -> LabelSet {
+fn label_ids(settings: &Settings, found: &Listing, appended_before: &[String]) -> LabelSet {
     let mut labels = LabelSet::new(
         &settings.labels.names,
         appended_before,
         settings.labels.unknown,
     );
-    for f in found {
+    for f in found.iter() {
         if let Some(folder) = crate::identity::label_folder(settings, f.rel()) {
             let _ = labels.resolve(folder);
         }
@@ -319,7 +319,7 @@ fn label_ids(settings: &Settings, found: &[Found], appended_before: &[String]) -
 /// is durable; rows and quarantined files into `report`.
 fn ingest(
     engine: &mut Engine,
-    found: &[Found],
+    found: &Listing,
     batch: usize,
     ui: &Ui,
     report: &mut RebuildReport,
@@ -333,16 +333,17 @@ fn ingest(
                 .extend(d.quarantined.into_iter().map(|(p, r)| (p, r.to_string())));
         }
     };
-    for names in found.chunks(batch) {
+    for first in (0..found.len()).step_by(batch) {
+        let names = first..(first + batch).min(found.len());
+        let n = names.len();
         let inputs = names
-            .iter()
-            .map(|f| match f {
-                Found::Recording(rel) => Input::Load {
-                    rel: rel.clone(),
+            .map(|i| match found.get(i) {
+                Item::Recording(rel) => Input::Load {
+                    rel: rel.to_string(),
                     seen: None,
                 },
-                Found::Rejected { rel, reason } => Input::Observe(Observation::Rejected {
-                    rel: rel.clone(),
+                Item::Rejected { rel, reason } => Input::Observe(Observation::Rejected {
+                    rel: rel.to_string(),
                     reason: reason.clone(),
                     size: 0,
                     mtime_ns: 0,
@@ -352,7 +353,7 @@ fn ingest(
         engine.submit(inputs)?;
         record(engine.completed()?, report);
         if let Some(b) = &bar {
-            b.inc(names.len() as u64);
+            b.inc(n as u64);
         }
     }
     record(engine.wait()?, report);

@@ -4,6 +4,7 @@
 use super::manifest::Manifest;
 use super::outcome::Observation;
 use crate::config::Settings;
+use crate::source::Item;
 use std::path::Path;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -106,7 +107,7 @@ const RECONCILE_REPORT_EVERY: std::time::Duration = std::time::Duration::from_mi
 pub fn reconcile_with(
     settings: &Settings,
     manifest: &Manifest,
-    listed: Option<Vec<crate::source::Found>>,
+    listed: Option<crate::source::Listing>,
     start: bool,
     emit: &mut (dyn FnMut(Reconciliation) + Send),
 ) -> anyhow::Result<()> {
@@ -236,7 +237,7 @@ fn ranges(len: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
 /// have records, and the recorded paths that are not listed.
 fn new_paths(
     manifest: &Manifest,
-    found: &[crate::source::Found],
+    found: &crate::source::Listing,
     threads: usize,
     out: &Mutex<Emitter>,
 ) -> anyhow::Result<(Known, Vec<String>)> {
@@ -254,8 +255,8 @@ fn new_paths(
             .map(|(j, range)| {
                 // Records from this range's first path up to the next range's first path (the
                 // first range also takes those before the listing, the last those after it).
-                let from = (j > 0).then(|| found[range.start].rel());
-                let to = (j + 1 < parts.len()).then(|| found[range.end].rel());
+                let from = (j > 0).then(|| found.rel(range.start));
+                let to = (j + 1 < parts.len()).then(|| found.rel(range.end));
                 let range = range.clone();
                 scope.spawn(crate::pace::with_this_gate(move || {
                     new_paths_in(manifest, found, range, from, to, out)
@@ -279,7 +280,7 @@ fn new_paths(
 /// [`new_paths`] over `found[range]` and the records from `from` (included) to `to` (excluded).
 fn new_paths_in(
     manifest: &Manifest,
-    found: &[crate::source::Found],
+    found: &crate::source::Listing,
     range: std::ops::Range<usize>,
     from: Option<&str>,
     to: Option<&str>,
@@ -288,8 +289,9 @@ fn new_paths_in(
     let mut known: Known = Vec::new();
     let mut unlisted: Vec<String> = Vec::new();
     let mut records = manifest.files_between(from, to).peekable();
-    for (i, item) in found.iter().enumerate().take(range.end).skip(range.start) {
+    for i in range {
         crate::pace::give_way()?;
+        let item = found.get(i);
         let rel = item.rel();
         // Records before this path are not listed: gone, or recorded after the listing. An
         // error is taken too, and returned.
@@ -305,20 +307,18 @@ fn new_paths_in(
             unlisted.push(key);
         }
         match (item, record) {
-            (crate::source::Found::Recording(rel), None) => {
-                lock(out).push(|p| p.changed.push(rel.clone()))
-            }
-            (crate::source::Found::Recording(_), Some(rec)) => {
+            (Item::Recording(rel), None) => lock(out).push(|p| p.changed.push(rel.to_string())),
+            (Item::Recording(_), Some(rec)) => {
                 known.push((i as u32, rec.size, rec.mtime_ns));
             }
-            (crate::source::Found::Rejected { rel, reason }, rec) => {
+            (Item::Rejected { rel, reason }, rec) => {
                 let same = rec
                     .and_then(|rec| rec.quarantine)
                     .is_some_and(|q| q.kind == reason.kind());
                 if !same {
                     lock(out).push(|p| {
                         p.rejected.push(Observation::Rejected {
-                            rel: rel.clone(),
+                            rel: rel.to_string(),
                             reason: reason.clone(),
                             size: 0,
                             mtime_ns: 0,
@@ -337,7 +337,7 @@ fn new_paths_in(
 /// Phase 2: changed in place since recorded (one `stat` each, in `threads` ranges at once).
 fn changed_or_gone(
     root: &Path,
-    found: &[crate::source::Found],
+    found: &crate::source::Listing,
     known: Known,
     threads: usize,
     out: &Mutex<Emitter>,
@@ -351,7 +351,7 @@ fn changed_or_gone(
                     if crate::pace::give_way().is_err() {
                         break;
                     }
-                    let rel = found[i as usize].rel();
+                    let rel = found.rel(i as usize);
                     let Some(now) = folders.stat(rel) else {
                         continue; // gone since the listing: the watcher reports it
                     };
@@ -367,7 +367,7 @@ fn changed_or_gone(
 /// Phase 3: a row waiting to be made anew (its owner was to be read again when we stopped).
 fn rows_to_remake(
     manifest: &Manifest,
-    found: &[crate::source::Found],
+    found: &crate::source::Listing,
     out: &mut Emitter,
 ) -> anyhow::Result<()> {
     for item in manifest.contents() {
@@ -375,8 +375,8 @@ fn rows_to_remake(
         let (_, c) = item?;
         if let (None, Some(owner)) = (c.row, c.owner()) {
             if found
-                .binary_search_by(|f| f.rel().cmp(owner))
-                .is_ok_and(|i| matches!(found[i], crate::source::Found::Recording(_)))
+                .find(owner)
+                .is_some_and(|i| matches!(found.get(i), Item::Recording(_)))
             {
                 out.part.changed.push(owner.to_string());
             }

@@ -167,7 +167,7 @@ pub async fn serve(
 type Started = (
     anyhow::Result<Engine>,
     Watcher,
-    Option<Vec<crate::source::Found>>,
+    Option<crate::source::Listing>,
 );
 
 fn open_and_watch(

@@ -118,7 +118,7 @@ pub(super) struct Worker {
     pub(super) last_work: Instant,
     pub(super) device: String,
     /// The start's listing of the tree, made while the engine opened: the first rescan's.
-    pub(super) listed: Option<Vec<crate::source::Found>>,
+    pub(super) listed: Option<crate::source::Listing>,
     /// The next rescan is the start's (see [`crate::engine::reconcile_with`]).
     pub(super) start: bool,
     pub(super) slow: super::slow::SlowBatches,
@@ -473,7 +473,7 @@ impl Worker {
 impl Worker {
     fn new(
         engine: anyhow::Result<Engine>,
-        listed: Option<Vec<crate::source::Found>>,
+        listed: Option<crate::source::Listing>,
         settings: Settings,
         report: mpsc::UnboundedSender<Report>,
         shared: Arc<Shared>,
@@ -698,7 +698,7 @@ impl Worker {
 /// The worker thread's loop: gather, close batches by the policy, hand them to the engine.
 pub(super) fn worker_loop(
     engine: anyhow::Result<Engine>,
-    listed: Option<Vec<crate::source::Found>>,
+    listed: Option<crate::source::Listing>,
     settings: Settings,
     rx: crossbeam_channel::Receiver<Work>,
     report: mpsc::UnboundedSender<Report>,

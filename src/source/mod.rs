@@ -7,11 +7,13 @@
 //! inotify; [`settle`] decides when a touched file is complete, from [`probe`], which reads the
 //! size and a bounded part of the header (never the whole file).
 
+pub mod listing;
 pub mod settle;
 pub mod watch;
 
 use crate::decode::{self, DecodeError};
 use crate::engine::outcome::Reason;
+pub use listing::{Item, Listing};
 use settle::Probe;
 use std::fs::{File, FileType};
 use std::path::{Path, PathBuf};
@@ -77,19 +79,19 @@ pub fn classify_path(root: &Path, rel: &Path) -> Option<Found> {
 /// One `readdir` pass: entries are told apart by the type the listing gives (no `stat`, no
 /// link followed), and relative paths are built as strings folder by folder (what [`classify`]
 /// decides, without its per-path parsing: 200,000 recordings are listed in a fraction of the
-/// time).
-pub fn scan(root: &Path) -> anyhow::Result<Vec<Found>> {
+/// time). The listing keeps its paths in one text ([`Listing`]).
+pub fn scan(root: &Path) -> anyhow::Result<Listing> {
     scan_on(root, 4)
 }
 
 /// [`scan`] on at most `threads` threads (and the cores the process may use).
-pub fn scan_on(root: &Path, threads: usize) -> anyhow::Result<Vec<Found>> {
+pub fn scan_on(root: &Path, threads: usize) -> anyhow::Result<Listing> {
     anyhow::ensure!(
         root.is_dir(),
         "paths.recordings = {} is not a folder (set it in the configuration)",
         root.display()
     );
-    let (mut found, mut folders) = (Vec::new(), Vec::new());
+    let (mut found, mut folders) = (Listing::default(), Vec::new());
     scan_folder(
         root,
         &mut String::new(),
@@ -99,8 +101,17 @@ pub fn scan_on(root: &Path, threads: usize) -> anyhow::Result<Vec<Found>> {
     );
     // The top folders (one per label) are listed side by side, each sorted on its thread; the
     // stable sort then only merges the sorted runs.
-    found.extend(scan_folders(&folders, threads).into_iter().flatten());
-    found.sort_by(|a, b| a.rel().cmp(b.rel()));
+    // The largest listing takes the others' entries (their text is not copied).
+    let mut lists = scan_folders(&folders, threads);
+    lists.push(found);
+    let largest = (0..lists.len())
+        .max_by_key(|&i| lists[i].len())
+        .unwrap_or(0);
+    let mut found = lists.swap_remove(largest);
+    for list in lists {
+        found.append(list);
+    }
+    found.sort();
     Ok(found)
 }
 
@@ -109,11 +120,11 @@ type Deferred = (PathBuf, String, bool);
 
 /// Lists each of `folders` (and what is below it), on up to `threads` threads (no more than the
 /// process may use); each listing sorted.
-fn scan_folders(folders: &[Deferred], threads: usize) -> Vec<Vec<Found>> {
+fn scan_folders(folders: &[Deferred], threads: usize) -> Vec<Listing> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = cores.min(threads).min(folders.len());
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut lists: Vec<(usize, Vec<Found>)> = std::thread::scope(|scope| {
+    let mut lists: Vec<(usize, Listing)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
                 scope.spawn(crate::pace::with_this_gate(|| {
@@ -123,9 +134,9 @@ fn scan_folders(folders: &[Deferred], threads: usize) -> Vec<Vec<Found>> {
                         let Some((dir, rel, utf8)) = folders.get(i) else {
                             return done;
                         };
-                        let mut list = Vec::new();
+                        let mut list = Listing::default();
                         scan_folder(dir, &mut rel.clone(), *utf8, &mut list, None);
-                        list.sort_unstable_by(|a, b| a.rel().cmp(b.rel()));
+                        list.sort();
                         done.push((i, list));
                     }
                 }))
@@ -147,7 +158,7 @@ fn scan_folder(
     dir: &Path,
     rel: &mut String,
     utf8: bool,
-    found: &mut Vec<Found>,
+    found: &mut Listing,
     mut defer: Option<&mut Vec<Deferred>>,
 ) {
     let entries = match std::fs::read_dir(dir) {
@@ -193,18 +204,12 @@ fn scan_folder(
             continue;
         }
         if file_type.is_symlink() {
-            found.push(Found::Rejected {
-                rel: rel.clone(),
-                reason: Reason::SymbolicLink,
-            });
+            found.push_rejected(rel, Reason::SymbolicLink);
         } else if file_type.is_file() {
-            found.push(match utf8 {
-                true => Found::Recording(rel.clone()),
-                false => Found::Rejected {
-                    rel: rel.clone(),
-                    reason: Reason::NotUtf8,
-                },
-            });
+            match utf8 {
+                true => found.push_recording(rel),
+                false => found.push_rejected(rel, Reason::NotUtf8),
+            }
         }
     }
     rel.truncate(base);
@@ -329,7 +334,7 @@ mod tests {
             })
             .collect();
         expected.sort_by(|a, b| a.rel().cmp(b.rel()));
-        let found = scan(root).unwrap();
+        let found = scan(root).unwrap().to_vec();
         assert_eq!(found, expected);
         assert_eq!(found.len(), 11, "{found:?}");
         assert!(found.windows(2).all(|w| w[0].rel() < w[1].rel()));
@@ -346,7 +351,7 @@ mod tests {
         std::os::unix::fs::symlink(root.join("LEAK/a.wav"), root.join("LEAK/link.wav")).unwrap();
         let odd = std::ffi::OsStr::from_bytes(b"LEAK/\xff.wav");
         std::fs::write(root.join(odd), b"x").unwrap();
-        let found = scan(root).unwrap();
+        let found = scan(root).unwrap().to_vec();
         assert_eq!(found.len(), 3, "{found:?}");
         assert_eq!(found[0], Found::Recording("LEAK/a.wav".into()));
         assert!(found.contains(&Found::Rejected {

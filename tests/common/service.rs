@@ -200,11 +200,11 @@ pub fn expected_in(world: &World, label_at: usize) -> serde_json::Value {
     let names = ailhd::config::Settings::default().labels.names;
     let mut map: BTreeMap<String, Vec<i16>> = BTreeMap::new();
     let files = ailhd::source::scan(&world.rec()).unwrap();
-    for found in files {
-        let ailhd::source::Found::Recording(rel) = found else {
+    for found in files.iter() {
+        let ailhd::source::Item::Recording(rel) = found else {
             continue;
         };
-        let bytes = std::fs::read(world.rec().join(&rel)).unwrap();
+        let bytes = std::fs::read(world.rec().join(rel)).unwrap();
         if ailhd::decode::decode(&bytes, 4096, 40960).is_err() {
             continue;
         }
