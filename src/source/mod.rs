@@ -79,7 +79,7 @@ pub fn classify_path(root: &Path, rel: &Path) -> Option<Found> {
 /// One `readdir` pass: entries are told apart by the type the listing gives (no `stat`, no
 /// link followed), and relative paths are built as strings folder by folder (what [`classify`]
 /// decides, without its per-path parsing: 200,000 recordings are listed in a fraction of the
-/// time). The listing keeps its paths in one text ([`Listing`]).
+/// time). The listing keeps its paths in a few large pieces of text ([`Listing`]).
 pub fn scan(root: &Path) -> anyhow::Result<Listing> {
     scan_on(root, 4)
 }
@@ -100,8 +100,8 @@ pub fn scan_on(root: &Path, threads: usize) -> anyhow::Result<Listing> {
         Some(&mut folders),
     );
     // The top folders (one per label) are listed side by side, each sorted on its thread; the
-    // stable sort then only merges the sorted runs.
-    // The largest listing takes the others' entries (their text is not copied).
+    // largest listing takes the others' entries (their text is not copied), and the stable sort
+    // then only merges the sorted runs.
     let mut lists = scan_folders(&folders, threads);
     lists.push(found);
     let largest = (0..lists.len())
