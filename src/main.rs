@@ -135,6 +135,9 @@ fn main() -> ExitCode {
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Run) {
+        ailhd::service::hold_signals();
+    }
     let verbosity = if cli.debug { 2 } else { u8::from(cli.verbose) };
     ailhd::logging::init(verbosity, matches!(cli.command, Command::Run));
     match dispatch(cli) {
@@ -213,6 +216,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Run => {
+            // Tests hold the start here to signal it while it configures (tests/daemon.rs).
+            fail::fail_point!("run-configure");
             let s = load_settings(&cli)?;
             s.check_paths()?;
             ailhd::service::run(s, cli.config.clone())

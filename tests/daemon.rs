@@ -651,6 +651,43 @@ fn a_stop_calls_off_a_running_rescan() {
     compare_with_rebuild(&world);
 }
 
+/// `systemctl reload` and `stop` while `ailhd run` is still loading its configuration (held
+/// there 300 ms by a fail point) do not kill it, the default action of both: the process holds
+/// them from the line after parsing its command line. The stop drains (the reload before it may
+/// be passed over), the exit is 0, and nothing is lost.
+#[test]
+#[serial]
+fn signals_while_the_service_starts_are_answered_not_fatal() {
+    let world = World::new(FAST);
+    write_via_rename(
+        &world.rec(),
+        "LEAK/S001~R1~20250118120530~100.wav",
+        &clip_wav("LEAK", 921),
+    );
+    for (round, stop) in [libc::SIGTERM, libc::SIGINT, libc::SIGTERM]
+        .into_iter()
+        .enumerate()
+    {
+        let mut svc = Service::spawn_failing(&world, "run-configure=sleep(300)");
+        svc.signal_once_held(libc::SIGHUP);
+        svc.signal_once_held(stop);
+        let status = svc.child.wait().unwrap();
+        let log = svc.log();
+        assert!(
+            status.success(),
+            "round {round}: signal {stop} at the start: {status:?}; log:\n{log}"
+        );
+        assert!(
+            log.contains("draining and stopping"),
+            "round {round}: {log}"
+        );
+    }
+    let svc = Service::start(&world);
+    svc.wait("the recording committed", |s| committed(s) == 1);
+    svc.terminate();
+    compare_with_rebuild(&world);
+}
+
 #[test]
 #[serial]
 fn an_unreadable_manifest_is_set_aside_and_rebuilt_from_the_outputs() {

@@ -999,7 +999,7 @@ impl Rig {
     /// Stop the service as systemd does (SIGTERM): it must exit 0.
     fn stop(&mut self) {
         if let Some(mut svc) = self.svc.take() {
-            unsafe { libc::kill(svc.pid() as i32, libc::SIGTERM) };
+            svc.sigterm();
             let status = svc.child.wait().unwrap();
             if !status.success() {
                 self.checks.fail(format!(

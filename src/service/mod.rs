@@ -36,6 +36,29 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
+/// The signals the service answers: SIGTERM and SIGINT stop it, SIGHUP reloads.
+const ANSWERED: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
+
+/// Hold the service's signals from the first moment of `ailhd run` (`main`, right after the
+/// command line is parsed) until [`run`] has its handlers: a `systemctl stop` or `reload` while
+/// the process is still loading its configuration then waits for them rather than killing it
+/// (the default action of all three).
+pub fn hold_signals() {
+    signal_mask(libc::SIG_BLOCK);
+}
+
+fn signal_mask(how: libc::c_int) {
+    // SAFETY: a local, initialised signal set, and the calling thread's own mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in ANSWERED {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::pthread_sigmask(how, &set, std::ptr::null_mut());
+    }
+}
+
 /// Entry point of `ailhd run`: a runtime, the service, and the process signals as shutdown.
 pub fn run(settings: Settings, config_path: Option<PathBuf>) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -43,20 +66,28 @@ pub fn run(settings: Settings, config_path: Option<PathBuf>) -> anyhow::Result<(
         .build()
         .context("cannot start the event loop")?;
     rt.block_on(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        use tokio::signal::unix::{signal, SignalKind};
+        // Every handler in place before the signals held since `main` are let through: one that
+        // came in meanwhile is delivered now, to its handler.
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let hup = signal(SignalKind::hangup())?;
+        signal_mask(libc::SIG_UNBLOCK);
         let shutdown = async move {
             tokio::select! {
                 _ = term.recv() => log::info!("SIGTERM: draining and stopping"),
-                _ = tokio::signal::ctrl_c() => log::info!("interrupted: draining and stopping"),
+                _ = int.recv() => log::info!("interrupted: draining and stopping"),
             }
         };
-        serve(settings, config_path, shutdown).await
+        serve(settings, config_path, hup, shutdown).await
     })
 }
 
+/// The service until `shutdown` completes; `hup` is the reload signal.
 pub async fn serve(
     settings: Settings,
     config_path: Option<PathBuf>,
+    mut hup: tokio::signal::unix::Signal,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     for p in crate::staging::remove_stale(&settings)? {
@@ -105,7 +136,6 @@ pub async fn serve(
     };
     ev.ready();
 
-    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let watchdog = sd_notify::watchdog_enabled();
     tokio::pin!(shutdown);
     let mut watchdog_tick =

@@ -52,6 +52,13 @@ impl Service {
         s
     }
 
+    /// Start `run` with fail points and return at once.
+    pub fn spawn_failing(world: &World, failpoints: &str) -> Service {
+        let mut cmd = world.cmd(&["--verbose", "run"]);
+        cmd.env("FAILPOINTS", failpoints);
+        Service::spawn_cmd(world, cmd)
+    }
+
     fn spawn_cmd(world: &World, mut cmd: std::process::Command) -> Service {
         // A snapshot left by an earlier (killed) run must not pass for this one's.
         let _ = std::fs::remove_file(world.state().join("status.json"));
@@ -118,17 +125,65 @@ impl Service {
 
     /// SIGTERM, as `systemctl stop`: it must exit 0. Returns the log.
     pub fn terminate(mut self) -> String {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        self.sigterm();
         let status = self.child.wait().unwrap();
         let log = self.log();
         assert!(status.success(), "run exited with {status:?}; log:\n{log}");
         log
     }
 
+    /// Send SIGTERM once the process holds or catches it (`ailhd run` holds it from the line
+    /// after parsing its command line): before that, in the exec and the loader, no program can
+    /// answer it, and systemd counts that death as a clean stop too.
+    pub fn sigterm(&mut self) {
+        self.signal_once_answered(libc::SIGTERM);
+    }
+
+    /// Send `sig` as soon as the process holds or catches it.
+    pub fn signal_once_answered(&mut self, sig: libc::c_int) {
+        self.signal_once(sig, &["SigBlk", "SigCgt"]);
+    }
+
+    /// Send `sig` as soon as the process holds (blocks) it.
+    pub fn signal_once_held(&mut self, sig: libc::c_int) {
+        self.signal_once(sig, &["SigBlk"]);
+    }
+
+    /// Send `sig` as soon as one of the `/proc/PID/status` masks `masks` has it.
+    fn signal_once(&mut self, sig: libc::c_int, masks: &[&str]) {
+        let pid = self.child.id();
+        let t = Instant::now();
+        while !in_signal_masks(pid, sig, masks) && matches!(self.child.try_wait(), Ok(None)) {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "pid {pid} has not signal {sig} in {masks:?}; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        unsafe { libc::kill(pid as i32, sig) };
+    }
+
     pub fn kill9(mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Whether one of the signal masks `masks` of `/proc/PID/status` (`SigBlk`: blocked, `SigCgt`:
+/// caught) of process `pid` has `sig`.
+fn in_signal_masks(pid: u32, sig: libc::c_int, masks: &[&str]) -> bool {
+    let bit = 1u64 << (sig - 1);
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let (key, mask) = l.split_once(':')?;
+            masks
+                .contains(&key)
+                .then(|| u64::from_str_radix(mask.trim(), 16).ok())?
+        })
+        .any(|mask| mask & bit != 0)
 }
 
 impl Drop for Service {
