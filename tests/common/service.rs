@@ -45,14 +45,12 @@ impl Service {
     /// Start `run` with fail points (`FAILPOINTS`, see the `failpoints` feature in Cargo.toml:
     /// the binary `cargo test` builds has them), and wait until it is up.
     pub fn start_failing(world: &World, failpoints: &str) -> Service {
-        let mut cmd = world.cmd(&["--verbose", "run"]);
-        cmd.env("FAILPOINTS", failpoints);
-        let s = Service::spawn_cmd(world, cmd);
+        let s = Service::spawn_failing(world, failpoints);
         s.wait("service up", |st| st["service"].is_object());
         s
     }
 
-    /// Start `run` with fail points and return at once.
+    /// [`Service::start_failing`] without the wait: returns at once.
     pub fn spawn_failing(world: &World, failpoints: &str) -> Service {
         let mut cmd = world.cmd(&["--verbose", "run"]);
         cmd.env("FAILPOINTS", failpoints);
