@@ -296,6 +296,9 @@ def one_size(a, n):
     r1000 = stream(site, reader, svc, 1000, max(2.0, a.seconds / 4))
     res["1,000/s p50 / p99 / max ms"] = f"{r1000['p50']:.1f} / {r1000['p99']:.1f} / {r1000['max']:.0f}"
     res["RSS after start / after the streams MB"] = f"{rss0:.0f} / {proc_kb(svc.pid) / 1024:.0f}"
+    res["  of which anonymous / file / shared MB"] = " / ".join(
+        f"{proc_kb(svc.pid, f) / 1024:.0f}" for f in ("RssAnon", "RssFile", "RssShmem")
+    )
     never = r100["never seen"] + r1000["never seen"]
 
     if a.soak > 0:

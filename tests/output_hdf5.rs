@@ -621,7 +621,8 @@ fn open_append_reclaims_rows_past_keep() {
 /// per `chunk_rows` rows and that each starts at a multiple of the row size, so that every row
 /// does and `ailhd_reader` gathers whole rows from a map of the file. Also asserts that the
 /// padding this costs is small: the file is at most 4% + 64 KiB bigger than its chunks (with a
-/// threshold that let small objects be aligned too, each would be padded to a row: +8% here).
+/// threshold that let small objects be aligned too, each would be padded to a row: +8% here),
+/// and that the other columns' chunks are a page at most.
 fn assert_feature_rows_aligned(path: &Path, rows: u64, what: &str) {
     let out = py(&["chunks", path.to_str().unwrap()]);
     let mel = &out["datasets"]["segments_mel"];
@@ -652,6 +653,14 @@ fn assert_feature_rows_aligned(path: &Path, rows: u64, what: &str) {
         off.len(),
         offsets.len()
     );
+    // The narrow columns' chunks are a page at most: each commit of the service rewrites the
+    // last, partial chunk of every column (docs/reading.md, "Layout on disk").
+    for (name, d) in out["datasets"].as_object().unwrap() {
+        let bytes = d["chunk_rows"].as_u64().unwrap() * d["row_bytes"].as_u64().unwrap();
+        if !name.starts_with("segments_") {
+            assert!(bytes <= 4096, "{what}: {name} has chunks of {bytes} bytes: {d}");
+        }
+    }
     let chunks: u64 = out["datasets"]
         .as_object()
         .unwrap()

@@ -75,7 +75,16 @@ use std::path::{Path, PathBuf};
 /// (training 293,990,400 bytes, was 292,954,547) as chunks mostly follow each other at
 /// multiples of the row size anyway; about as much in files the service appends to.
 const CHUNK_BYTES: usize = 64 << 10;
-/// Chunk rows cap for the narrow columns (labels, valid...): 4096 rows is 4-32 KiB there.
+/// Target bytes per chunk of the narrow columns (`labels`, `valid`, `blake3`, the names...): one
+/// page. HDF5 writes a chunk whole whenever it is flushed, so each commit of the service
+/// rewrites every column's last, partial chunk: with 64 KiB chunks there, a commit of one row
+/// wrote about 390 KB to the training file (8 columns of 4-64 KiB beside the features' 60 KiB)
+/// and synced it, about 48 MB/s to the disk at 100 clips/s (strace and vmstat of
+/// `benches/reader_latency.py`, docs/benchmarks.md "Pages per commit"). A random row's narrow
+/// values cost a page to read instead of up to 64 KiB; reading a whole column costs more chunks
+/// (1,563 of `blake3` at 200,000 rows).
+const NARROW_CHUNK_BYTES: usize = 4 << 10;
+/// Chunk rows cap for the narrow columns: 4096 rows is 4 KiB of `valid`.
 const MAX_CHUNK_ROWS: usize = 4096;
 /// Per-dataset raw-data chunk cache. Holds a few chunks (16 of the features'), so the partial
 /// last chunk of each dataset stays cached between appends instead of being read back from
@@ -910,16 +919,22 @@ fn memory_type(t: ColumnType) -> Result<Datatype> {
     })
 }
 
-/// Rows per chunk of a column: [`CHUNK_BYTES`] of whole rows, at least one.
+/// Rows per chunk of a column: [`CHUNK_BYTES`] of whole rows for the features,
+/// [`NARROW_CHUNK_BYTES`] for the other columns; at least one.
 fn chunk_rows(spec: &ColumnSpec) -> usize {
-    (CHUNK_BYTES / spec.row_bytes()).clamp(1, MAX_CHUNK_ROWS)
+    let target = if spec.is_features() {
+        CHUNK_BYTES
+    } else {
+        NARROW_CHUNK_BYTES
+    };
+    (target / spec.row_bytes()).clamp(1, MAX_CHUNK_ROWS)
 }
 
 /// `(threshold, alignment)` for `H5Pset_alignment`: every allocation at least as big as a
 /// `segments_mel` chunk starts at a multiple of the features' row size, so every row of
 /// `segments_mel` lies at a multiple of its own size in the file (see [`CHUNK_BYTES`]).
-/// Smaller objects (metadata, the narrow columns' chunks below that size) are not padded;
-/// the few narrow columns whose chunks are as big (`blake3`, the string columns) are.
+/// Smaller objects (metadata, the narrow columns' chunks of [`NARROW_CHUNK_BYTES`]) are not
+/// padded.
 /// Alignment is a property of the open, not of the file: every open for writing (create,
 /// `open_append`) sets it, so chunks the service appends are aligned as `rebuild`'s are.
 fn feature_alignment(header: &OutputHeader) -> (u64, u64) {
