@@ -658,7 +658,10 @@ fn assert_feature_rows_aligned(path: &Path, rows: u64, what: &str) {
     for (name, d) in out["datasets"].as_object().unwrap() {
         let bytes = d["chunk_rows"].as_u64().unwrap() * d["row_bytes"].as_u64().unwrap();
         if !name.starts_with("segments_") {
-            assert!(bytes <= 4096, "{what}: {name} has chunks of {bytes} bytes: {d}");
+            assert!(
+                bytes <= 4096,
+                "{what}: {name} has chunks of {bytes} bytes: {d}"
+            );
         }
     }
     let chunks: u64 = out["datasets"]
