@@ -14,14 +14,16 @@ stream measures the warm service.
 usage: python3 benches/reader_latency.py BIN [BIN ...] [--rate 100] [--seconds 20] [--rounds 2]
                                          [--device cpu|cuda|auto] [--log-dir DIR]
                                          [--ingest KEY=VALUE ...] [--idle-first S]
+                                         [--stall-ms MS]
 
 `--idle-first S`: in the first round, the service idles S seconds after its first row before the
 stream (it closes its files after `ingest.idle_close_s`, 60 s by default), as after a quiet spell.
 
 Beside each stream a probe process sleeps 1 ms at a time and notes every wake-up more than 20 ms
-late: a stall of the whole machine (this VM's host, say) shows there too, one of the service
-alone does not. Each run prints how many such gaps there were, and whether one overlapped the
-slowest recording's wait.
+late (`--stall-ms`): a stall of the whole machine (this VM's host, say) shows there too, one of
+the service alone does not. Each run prints how many such gaps there were, and whether one
+overlapped the slowest recording's wait; `--log-dir` keeps them too (CLOCK_MONOTONIC, as the
+recordings' times).
 """
 import argparse
 import os
@@ -62,11 +64,12 @@ def cpu_model():
 PROBE = """
 import signal, sys, time
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+late = float(sys.argv[1]) / 1e3
 t = time.monotonic()
 while True:
     time.sleep(0.001)
     n = time.monotonic()
-    if n - t > 0.020:
+    if n - t > late:
         print(f"{t:.4f} {(n - t) * 1e3:.1f}", flush=True)
     t = n
 """
@@ -79,7 +82,8 @@ def machine_gaps(probe):
     return [(float(t), float(ms)) for t, ms in (line.split() for line in out.splitlines())]
 
 
-def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), idle=0.0):
+def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), idle=0.0,
+            stall_ms=20.0):
     with tempfile.TemporaryDirectory() as d:
         rec, out, state = (os.path.join(d, x) for x in ("rec", "out", "state"))
         for label in ("LEAK", "NORMAL"):
@@ -122,7 +126,8 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), 
                     os.rename(tmp, os.path.join(rec, rel))
                     time.sleep(max(0.0, t0 + (i + 1) / rate - time.monotonic()))
 
-            probe = subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, text=True)
+            probe = subprocess.Popen([sys.executable, "-c", PROBE, str(stall_ms)],
+                                     stdout=subprocess.PIPE, text=True)
             written0 = disk_writes(svc.pid)
             feeder = threading.Thread(target=feed)
             feeder.start()
@@ -160,6 +165,9 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), 
                 with open(os.path.join(d, "run.log")) as src, \
                         open(os.path.join(log_dir, f"service-{tag}.log"), "w") as dst:
                     dst.write(src.read())
+                with open(os.path.join(log_dir, f"stalls-{tag}.txt"), "w") as f:
+                    f.write("start_monotonic_s ms\n")
+                    f.writelines(f"{t:.4f} {ms:.1f}\n" for t, ms in gaps)
                 t0 = min(renamed.values(), default=0.0)
                 with open(os.path.join(log_dir, f"latency-{tag}.csv"), "w") as f:
                     f.write("renamed_s,latency_ms,path,renamed_monotonic_s\n")
@@ -174,7 +182,7 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), 
         overlap = [ms for t, ms in gaps if t < seen[slowest] and t + ms / 1e3 > renamed[slowest]]
         return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": lat[-1], "missing": missing,
                 "first": first_ms, "gaps": [ms for _, ms in gaps], "gaps_at_max": overlap,
-                "disk_kb": written / 1e3 / max(1, len(lat))}
+                "disk_kb": written / 1e3 / max(1, len(lat)), "stall_ms": stall_ms}
 
 
 def disk_writes(pid):
@@ -218,10 +226,11 @@ def machine(res):
     """The probe's findings, in words."""
     gaps = res["gaps"]
     if not gaps:
-        return "the machine never stalled over 20 ms"
+        return f"the machine never stalled over {res['stall_ms']:g} ms"
     at_max = (f"one of {max(res['gaps_at_max']):.0f} ms while the slowest recording waited"
               if res["gaps_at_max"] else "none while the slowest recording waited")
-    return f"the machine stalled {len(gaps)} times over 20 ms (max {max(gaps):.0f} ms), {at_max}"
+    return (f"the machine stalled {len(gaps)} times over {res['stall_ms']:g} ms "
+            f"(max {max(gaps):.0f} ms), {at_max}")
 
 
 def main():
@@ -234,6 +243,8 @@ def main():
     ap.add_argument("--log-dir", help="keep each run's service log and per-recording times here")
     ap.add_argument("--ingest", action="append", default=[], metavar="KEY=VALUE",
                     help="an [ingest] setting for every run, e.g. max_batch_latency_ms=5")
+    ap.add_argument("--stall-ms", type=float, default=20, metavar="MS",
+                    help="the stall probe notes every wake-up this much later than asked")
     ap.add_argument("--idle-first", type=float, default=0, metavar="S",
                     help="the first round idles S seconds after its first row before the stream")
     a = ap.parse_args()
@@ -244,7 +255,8 @@ def main():
     for r in range(a.rounds):
         for b in a.bins:
             res = one_run(b, a.rate, a.seconds, seed=r + 1, device=a.device, log_dir=a.log_dir,
-                          ingest=a.ingest, idle=a.idle_first if r == 0 else 0.0)
+                          ingest=a.ingest, idle=a.idle_first if r == 0 else 0.0,
+                          stall_ms=a.stall_ms)
             results[b].append(res)
             print(f"{b}: round {r + 1}: p50 {res['p50']:.1f} ms, p90 {res['p90']:.1f} ms, "
                   f"p99 {res['p99']:.1f} ms, max {res['max']:.1f} ms, never seen {res['missing']}; "
