@@ -80,11 +80,12 @@ const CHUNK_BYTES: usize = 64 << 10;
 /// rewrites every column's last, partial chunk: with 64 KiB chunks there, a commit of one row
 /// wrote about 390 KB to the training file (8 columns of 4-64 KiB beside the features' 60 KiB)
 /// and synced it, about 48 MB/s to the disk at 100 clips/s (strace and vmstat of
-/// `benches/reader_latency.py`, docs/benchmarks.md "Pages per commit"). A random row's narrow
-/// values cost a page to read instead of up to 64 KiB; reading a whole column costs more chunks
-/// (1,563 of `blake3` at 200,000 rows).
+/// `benches/reader_latency.py`, docs/benchmarks.md, section `pages-per-commit`). A random
+/// row's narrow values cost a page to read instead of up to 64 KiB; reading a whole column
+/// costs more chunks (1,563 of `blake3` at 200,000 rows).
 const NARROW_CHUNK_BYTES: usize = 4 << 10;
-/// Chunk rows cap for the narrow columns: 4096 rows is 4 KiB of `valid`.
+/// Chunk rows cap. It binds no narrow column (`valid`, one byte a row, has 4,096 rows a chunk
+/// either way); it bounds the chunks of feature rows under 16 bytes.
 const MAX_CHUNK_ROWS: usize = 4096;
 /// Per-dataset raw-data chunk cache. Holds a few chunks (16 of the features'), so the partial
 /// last chunk of each dataset stays cached between appends instead of being read back from
