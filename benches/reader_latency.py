@@ -5,7 +5,8 @@ tree to its row below `committed_rows` (not as the service counts it).
 Runs each given `ailhd` binary in turn on a fresh tree (alternating, `--rounds` times), feeds
 `--rate` recordings/s for `--seconds`, while one h5py SWMR reader polls the three split files
 every millisecond, and prints p50 / p90 / p99 / max per run and the medians per binary, with
-what the service wrote to the disk per recording (its `write_bytes`, syncs included).
+what the service wrote to the disk per recording (its `write_bytes`, syncs included) and the
+CPU time it used per recording (user + system, every thread) over the stream.
 
 Before the timed stream, one recording is fed and waited for (its time from the outputs'
 appearance is printed as "first row"): a GPU featuriser may still be starting then, and the
@@ -128,7 +129,7 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), 
 
             probe = subprocess.Popen([sys.executable, "-c", PROBE, str(stall_ms)],
                                      stdout=subprocess.PIPE, text=True)
-            written0 = disk_writes(svc.pid)
+            written0, cpu0 = disk_writes(svc.pid), cpu_seconds(svc.pid)
             feeder = threading.Thread(target=feed)
             feeder.start()
             done = [int(f["committed_rows"][0]) for f in files]
@@ -150,6 +151,7 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), 
                 time.sleep(0.001)
             feeder.join()
             written = disk_writes(svc.pid) - written0
+            cpu = cpu_seconds(svc.pid) - cpu0
             gaps = machine_gaps(probe)
             for f in files:
                 f.close()
@@ -182,7 +184,15 @@ def one_run(binary, rate, seconds, seed, device="cpu", log_dir=None, ingest=(), 
         overlap = [ms for t, ms in gaps if t < seen[slowest] and t + ms / 1e3 > renamed[slowest]]
         return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": lat[-1], "missing": missing,
                 "first": first_ms, "gaps": [ms for _, ms in gaps], "gaps_at_max": overlap,
-                "disk_kb": written / 1e3 / max(1, len(lat)), "stall_ms": stall_ms}
+                "disk_kb": written / 1e3 / max(1, len(lat)), "stall_ms": stall_ms,
+                "cpu_ms": cpu * 1e3 / max(1, len(lat))}
+
+
+def cpu_seconds(pid):
+    """CPU time process `pid` has used so far, user + system, all its threads (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def disk_writes(pid):
@@ -260,13 +270,15 @@ def main():
             results[b].append(res)
             print(f"{b}: round {r + 1}: p50 {res['p50']:.1f} ms, p90 {res['p90']:.1f} ms, "
                   f"p99 {res['p99']:.1f} ms, max {res['max']:.1f} ms, never seen {res['missing']}; "
-                  f"{res['disk_kb']:.0f} KB written to disk a recording; "
+                  f"{res['disk_kb']:.0f} KB written to disk and {res['cpu_ms']:.2f} ms of CPU "
+                  f"a recording; "
                   f"first row {res['first']:.0f} ms after the outputs appeared; {machine(res)}",
                   flush=True)
     for b, rs in results.items():
         med = {k: statistics.median(x[k] for x in rs) for k in ("p50", "p90", "p99", "max")}
         print(f"{b}: median of {len(rs)}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in med.items())
-              + f", {statistics.median(x['disk_kb'] for x in rs):.0f} KB written to disk a recording")
+              + f", {statistics.median(x['disk_kb'] for x in rs):.0f} KB written to disk and "
+              f"{statistics.median(x['cpu_ms'] for x in rs):.2f} ms of CPU a recording")
     if any(x["missing"] for rs in results.values() for x in rs):
         sys.exit(1)
 
