@@ -635,11 +635,7 @@ impl SegmentAccountant {
         for segment_base in to_free {
             self.free_segment(segment_base)?;
             io_fail!(self.config, "zero garbage segment SA");
-            pwrite_all(
-                &self.config.file,
-                &*vec![MessageKind::Corrupted.into(); self.config.segment_size],
-                segment_base,
-            )?;
+            zero_segment(&self.config.file, self.config.segment_size, segment_base)?;
         }
 
         // we want to complete all truncations because
@@ -1127,4 +1123,37 @@ impl SegmentAccountant {
 
         idx
     }
+}
+
+/// Make a free segment read as `MessageKind::Corrupted` bytes (zeros) from `base` on.
+///
+/// Changed for ailhd (vendor/README.md): upstream writes a whole segment of zeros for every
+/// free segment at every open, which at 200,000 recordings meant ~50 MB written and synced on
+/// each open. On Linux the range is deallocated instead (`FALLOC_FL_PUNCH_HOLE`), which reads
+/// back as the same zeros, costs nothing where it is a hole already, and gives the space back;
+/// where the file system cannot punch holes, the zeros are written as before.
+fn zero_segment(file: &std::fs::File, len: usize, base: LogOffset) -> Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::io::AsRawFd;
+        // SAFETY: fallocate on a descriptor this file owns; no memory is passed.
+        let r = unsafe {
+            libc::fallocate(
+                file.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                libc::off_t::try_from(base).unwrap(),
+                libc::off_t::try_from(len).unwrap(),
+            )
+        };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EINVAL) => {}
+            _ => return Err(e.into()),
+        }
+    }
+    pwrite_all(file, &*vec![MessageKind::Corrupted.into(); len], base)?;
+    Ok(())
 }
