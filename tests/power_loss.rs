@@ -20,7 +20,10 @@
 //!   a `rebuild` of the same tree by content (tests/py/compare_rows.py, npy columns included);
 //! - a failing disk: the service stays up, says so (`status --json`, the log), resumes by itself
 //!   within seconds of the disk's return, and loses nothing;
-//! - a SIGKILL storm (no FUSE): no row a reader saw changes or disappears.
+//! - a SIGKILL storm (no FUSE): no row a reader saw changes or disappears;
+//! - the manifest alone (sled, in a child process), cut at each sync of an open that
+//!   deallocates its log's free segments and of the write after it: no acknowledged record lost,
+//!   no record other than as it was or as rewritten.
 //!
 //! Checks are gathered rather than stopping at the first failure, so one run shows every way the
 //! service falls short; each test fails at its end with the list. `POWER_LOSS_SEED` repeats a
@@ -575,6 +578,7 @@ fn faultfs_keeps_only_what_was_made_durable_and_fails_on_command() {
     write_sync(&m.join("d/removed"), b"removed");
     write_sync(&m.join("d/trunc"), &[7u8; 50_000]);
     write_sync(&m.join("d/mapped"), &[0u8; 40_000]);
+    write_sync(&m.join("d/holes"), &[9u8; 60_000]);
     sync_dir(&m.join("d"));
     // Written over without a sync: the old bytes come back.
     std::fs::write(m.join("d/old"), b"new bytes, longer").unwrap();
@@ -599,6 +603,28 @@ fn faultfs_keeps_only_what_was_made_durable_and_fails_on_command() {
         f.sync_all().unwrap();
         f.set_len(10).unwrap();
     }
+    // Holes punched (`fallocate(PUNCH_HOLE | KEEP_SIZE)`, as sled frees a log segment): read
+    // as zeros at once, size kept; durable at the file's sync, like a write.
+    {
+        use std::os::fd::AsRawFd;
+        let f = std::fs::File::options()
+            .write(true)
+            .open(m.join("d/holes"))
+            .unwrap();
+        let punch = |at: i64, len: i64| {
+            let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+            let r = unsafe { libc::fallocate(f.as_raw_fd(), mode, at, len) };
+            assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        };
+        punch(100, 40_000);
+        f.sync_all().unwrap();
+        punch(50_000, 20_000);
+    }
+    let holes = std::fs::read(m.join("d/holes")).unwrap();
+    assert_eq!(holes.len(), 60_000, "the size is kept");
+    assert!(holes[..100].iter().all(|&b| b == 9) && holes[40_100..50_000].iter().all(|&b| b == 9));
+    assert!(holes[100..40_100].iter().all(|&b| b == 0) && holes[50_000..].iter().all(|&b| b == 0));
+    assert_eq!(fs.stats().punches, 2);
     // Shared writable mapping: msync makes it durable, an unsynced change is lost. (Mapped by
     // another process: a FUSE server must not serve page faults of its own process.)
     let mmap = r#"
@@ -651,7 +677,7 @@ with open(sys.argv[1], "r+b") as f:
         .collect();
     assert_eq!(
         names,
-        ["kept", "mapped", "old", "removed", "trunc"]
+        ["holes", "kept", "mapped", "old", "removed", "trunc"]
             .map(String::from)
             .into(),
         "after the cut"
@@ -663,6 +689,17 @@ with open(sys.argv[1], "r+b") as f:
     assert_eq!(std::fs::read(m.join("d/trunc")).unwrap(), vec![7u8; 20_000]);
     let mapped = std::fs::read(m.join("d/mapped")).unwrap();
     assert_eq!((mapped[100], mapped[39_999], mapped[200]), (1, 2, 0));
+    let holes = std::fs::read(m.join("d/holes")).unwrap();
+    let nines = |r: std::ops::Range<usize>| holes[r].iter().all(|&b| b == 9);
+    assert_eq!(holes.len(), 60_000);
+    assert!(
+        holes[100..40_100].iter().all(|&b| b == 0),
+        "the synced hole"
+    );
+    assert!(
+        nines(0..100) && nines(40_100..60_000),
+        "the unsynced hole is gone"
+    );
 
     // EIO on command, and back.
     fs.fail(Mode::AllWrites);
@@ -1562,4 +1599,214 @@ fn a_sigkill_storm_takes_back_no_row_a_reader_saw() {
         checks.check(equals_rebuild(&world));
     }
     checks.finish("sigkill storm");
+}
+
+/// The role a re-run of this test binary plays in
+/// [`power_cuts_around_sleds_punched_segments_lose_no_acknowledged_record`]: `fill`, `touch
+/// ROUND`, `check`. sled runs in that child, never in this process: this process serves the
+/// file system, and a cut unmounts it, which sled's own threads holding files open would stop.
+const MANIFEST_CHILD: &str = "AILHD_POWER_LOSS_MANIFEST_CHILD";
+/// Records of the manifest the cuts are made around; the first [`TOUCHED`] are rewritten after
+/// every cut.
+const RECORDS: usize = 4_000;
+const TOUCHED: usize = 100;
+const FILL_ROUNDS: u64 = 12;
+
+fn manifest_record(round: u64) -> ailhd::engine::manifest::FileRecord {
+    ailhd::engine::manifest::FileRecord {
+        hash: Some([7; 32]),
+        size: 81_964 + round,
+        mtime_ns: 5,
+        quarantine: None,
+        updated_ms: 0,
+    }
+}
+
+fn manifest_path(i: usize) -> String {
+    format!("LEAK/S{i:05}~R1~20250118120530~100.wav")
+}
+
+/// The child's side: prints `child: ...` lines, exits 0 when everything it did succeeded.
+fn manifest_child(role: &str, dir: &Path) -> ! {
+    use ailhd::engine::manifest::{Manifest, ManifestBatch};
+    let run = || -> Result<(), String> {
+        let m = Manifest::open(dir).map_err(|e| format!("open: {e}"))?;
+        let mut words = role.split(' ');
+        match (
+            words.next(),
+            words.next().and_then(|w| w.parse::<u64>().ok()),
+        ) {
+            (Some("fill"), _) => {
+                // Every record rewritten round after round: sled's log ends up with free
+                // segments, which each later open deallocates.
+                for round in 0..FILL_ROUNDS {
+                    for chunk in (0..RECORDS).collect::<Vec<_>>().chunks(500) {
+                        let mut b = ManifestBatch::default();
+                        for &i in chunk {
+                            b.put_file(&manifest_path(i), &manifest_record(round));
+                        }
+                        m.apply(b).map_err(|e| e.to_string())?;
+                        m.flush().map_err(|e| e.to_string())?;
+                    }
+                }
+            }
+            (Some("touch"), Some(round)) => {
+                println!("child: opened");
+                let mut b = ManifestBatch::default();
+                for i in 0..TOUCHED {
+                    b.put_file(&manifest_path(i), &manifest_record(round));
+                }
+                m.apply(b).map_err(|e| format!("apply: {e}"))?;
+                m.flush().map_err(|e| format!("flush: {e}"))?;
+                println!("child: flushed");
+            }
+            (Some("check"), _) => {
+                let mut sizes = Vec::new();
+                for r in m.files() {
+                    let (rel, rec) = r.map_err(|e| e.to_string())?;
+                    sizes.push(format!("{rel}={}", rec.size));
+                }
+                println!("child: records {}", sizes.join(" "));
+            }
+            _ => return Err(format!("unknown role {role:?}")),
+        }
+        Ok(())
+    };
+    let code = match run() {
+        Ok(()) => 0,
+        Err(e) => {
+            println!("child: failed: {e}");
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
+/// Runs this test binary again as [`manifest_child`]; (exited 0, its `child:` lines).
+fn run_manifest_child(test: &str, role: &str, dir: &Path) -> (bool, Vec<String>) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(MANIFEST_CHILD, role)
+        .env("AILHD_POWER_LOSS_MANIFEST_DIR", dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = String::new();
+    use std::io::Read;
+    let reader = {
+        let mut stdout = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            let _ = stdout.read_to_string(&mut out);
+            out
+        })
+    };
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("the manifest child `{role}` did not end within 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let out = reader.join().unwrap();
+    let lines = out
+        .lines()
+        // (The harness's "test ... " precedes the first line.)
+        .filter_map(|l| l.split_once("child: ").map(|(_, rest)| rest.to_string()))
+        .collect();
+    (status.success(), lines)
+}
+
+/// sled deallocates its log's free segments at every open (vendor/README.md): a power cut at
+/// each sync of an open and of the write after it, on the test file system, loses no record a
+/// flush had acknowledged and leaves every other record as it was or as it was rewritten, never
+/// something else; and every open reads the manifest whole again.
+#[test]
+#[serial]
+fn power_cuts_around_sleds_punched_segments_lose_no_acknowledged_record() {
+    let test = "power_loss::power_cuts_around_sleds_punched_segments_lose_no_acknowledged_record";
+    if let Ok(role) = std::env::var(MANIFEST_CHILD) {
+        let dir = PathBuf::from(std::env::var_os("AILHD_POWER_LOSS_MANIFEST_DIR").unwrap());
+        manifest_child(&role, &dir);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut fs = FaultFs::mount(&tmp.path().join("m"));
+    let dir = fs.path().join("state");
+    let (ok, lines) = run_manifest_child(test, "fill", &dir);
+    assert!(ok, "filling the manifest: {lines:?}");
+    // What each record must hold now, and what it may hold besides (a rewrite not acknowledged).
+    let mut durable: Vec<u64> = vec![FILL_ROUNDS - 1; RECORDS];
+    let (mut cuts_after_a_punch, mut punches) = (0, 0);
+    for x in 1..=16u64 {
+        let round = 100 + x;
+        let before = fs.stats();
+        fs.cut_at_sync(before.syncs() + x);
+        let (_, lines) = run_manifest_child(test, &format!("touch {round}"), &dir);
+        let after = fs.stats();
+        let punched = after.punches - before.punches;
+        punches += punched;
+        let went = fs.is_off();
+        if went && punched > 0 {
+            cuts_after_a_punch += 1;
+        }
+        let flushed = lines.iter().any(|l| l == "flushed");
+        fs.cut();
+        let (ok, lines) = run_manifest_child(test, "check", &dir);
+        assert!(
+            ok,
+            "round {round}, after a cut at sync {x} of the reopen: {lines:?}"
+        );
+        let records: Vec<(String, u64)> = lines
+            .iter()
+            .find_map(|l| l.strip_prefix("records "))
+            .unwrap_or_else(|| panic!("round {round}: no records in {lines:?}"))
+            .split(' ')
+            .map(|kv| {
+                let (k, v) = kv.rsplit_once('=').unwrap();
+                (k.to_string(), v.parse::<u64>().unwrap() - 81_964)
+            })
+            .collect();
+        assert_eq!(records.len(), RECORDS, "round {round}: records lost");
+        for (i, (rel, got)) in records.iter().enumerate() {
+            assert_eq!(rel, &manifest_path(i));
+            let new = i < TOUCHED;
+            assert!(
+                *got == durable[i] || (new && *got == round),
+                "round {round}, cut at sync {x}: {rel} holds round {got}, expected {}{}",
+                durable[i],
+                if new {
+                    format!(" or {round}")
+                } else {
+                    String::new()
+                }
+            );
+            if new && flushed {
+                assert_eq!(
+                    *got, round,
+                    "round {round}: {rel}: an acknowledged flush was lost"
+                );
+            }
+            durable[i] = *got;
+        }
+        println!(
+            "power_loss: manifest round {round}: cut at sync {x}: power went {went}, {punched} \
+             segments punched, flush acknowledged {flushed}"
+        );
+        if !went {
+            break; // the open and the write made fewer syncs than x: every instant was cut
+        }
+    }
+    println!("power_loss: manifest: {:?}", fs.stats());
+    assert!(
+        punches > 0,
+        "no open deallocated a free segment: the fill left none"
+    );
+    assert!(
+        cuts_after_a_punch > 0,
+        "no cut came after a punch: the new path was not cut around"
+    );
 }

@@ -4,7 +4,8 @@
 //! - It serves what the service needs from a local disk: files read and written at any offset
 //!   (`pread`/`pwrite`), truncated, extended, memory-mapped shared and writable (the kernel's page
 //!   cache is used: no `direct_io`), `fsync`/`fdatasync`, folders (`mkdir`, `readdir`, `rmdir`),
-//!   `rename` (also over an existing name, and `RENAME_NOREPLACE`), `unlink`, attributes (size,
+//!   `rename` (also over an existing name, and `RENAME_NOREPLACE`), `unlink`, `fallocate` (to
+//!   extend, and `PUNCH_HOLE | KEEP_SIZE`, pending until a sync as a write is), attributes (size,
 //!   mode, mtime) and `statfs` (plenty of free space). `flock` and POSIX locks are not forwarded
 //!   to it: the kernel keeps them locally, which is all one host needs. `O_DIRECT` opens are
 //!   refused with `EINVAL`, as tmpfs and many network file systems do (the service falls back
@@ -75,6 +76,8 @@ pub struct Stats {
     pub renames: u64,
     pub unlinks: u64,
     pub truncates: u64,
+    /// `fallocate(PUNCH_HOLE | KEEP_SIZE)` calls (sled deallocates its free log segments so).
+    pub punches: u64,
     /// Operations answered with `EIO` by [`FaultFs::fail`] or after the power went.
     pub failed: u64,
     /// Power cuts so far.
@@ -134,6 +137,26 @@ impl Content {
             pos += n as u64;
         }
         self.size = self.size.max(end);
+    }
+
+    /// `fallocate(PUNCH_HOLE | KEEP_SIZE)`: the range (clipped to the size) reads as zeros; whole
+    /// pages are dropped, as a file system deallocates their blocks.
+    fn punch(&mut self, offset: u64, len: u64) {
+        let end = (offset + len).min(self.size);
+        let mut pos = offset;
+        while pos < end {
+            let p = (pos / PAGE as u64) as usize;
+            let within = (pos % PAGE as u64) as usize;
+            let n = (PAGE - within).min((end - pos) as usize);
+            if let Some(slot) = self.pages.get_mut(p) {
+                if n == PAGE {
+                    *slot = None;
+                } else if let Some(page) = slot {
+                    Arc::make_mut(page)[within..within + n].fill(0);
+                }
+            }
+            pos += n as u64;
+        }
     }
 
     fn truncate(&mut self, size: u64) {
@@ -1010,15 +1033,26 @@ impl Filesystem for Handler {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        if mode != 0 {
+        // Linux's <linux/falloc.h>.
+        const KEEP_SIZE: i32 = 0x01;
+        const PUNCH_HOLE: i32 = 0x02;
+        if mode != 0 && mode != PUNCH_HOLE | KEEP_SIZE {
             return reply.error(Errno::EOPNOTSUPP);
         }
         let r = self.lock().and_then(|mut st| {
             st.may_write()?;
-            if let Body::File { cur, .. } = &mut st.node_mut(ino.0)?.body {
-                if offset + length > cur.size {
-                    cur.truncate(offset + length);
+            match &mut st.node_mut(ino.0)?.body {
+                // A hole is pending, as a write is: durable at the file's next sync.
+                Body::File { cur, .. } if mode != 0 => cur.punch(offset, length),
+                Body::File { cur, .. } if offset + length > cur.size => {
+                    cur.truncate(offset + length)
                 }
+                Body::File { .. } => {}
+                Body::Dir { .. } => return Err(Errno::EISDIR),
+            }
+            if mode != 0 {
+                st.touch(ino.0);
+                st.stats.punches += 1;
             }
             Ok(())
         });
