@@ -15,7 +15,8 @@ reused by later runs; `--fresh` makes it anew):
 6. a soak at 100/s for `--soak` seconds: RSS sampled every 10 s after a warm-up;
 7. SIGKILL, restart -> a new recording's row seen;
 8. at rest: the restarted service idle for 2 s closes its files and the manifest
-   (`idle_close_s`): its RSS then, and the first recording after that (the files reopened).
+   (`idle_close_s`): its RSS then, and the first recording after that (the files reopened):
+   the median of `--rest-samples` idle closes, each followed by one recording.
 
 Each run adds a few thousand recordings to the prepared trees (N grows a little: the table
 says how many were ingested before each run). A prepared tree that has grown past
@@ -23,7 +24,8 @@ says how many were ingested before each run). A prepared tree that has grown pas
 the sizes asked for.
 
 usage: python3 benches/growth.py BIN [--sizes 5000 200000] [--data DIR] [--seconds 20]
-       [--soak 300] [--rescan-every 5] [--starts 3] [--fresh] [--max-growth 1.1]
+       [--soak 300] [--rescan-every 5] [--starts 3] [--rest-samples 5] [--fresh]
+       [--max-growth 1.1]
 """
 import argparse
 import os
@@ -324,7 +326,14 @@ def one_size(a, n):
     closes = idle_closes(site)
     svc, res["after SIGKILL: exec -> new row ms"] = start_probe(
         site, reader, "killed", "NORMAL", {"AILHD_INGEST__IDLE_CLOSE_S": str(IDLE_CLOSE_S)})
-    res.update(at_rest(site, reader, svc, closes))
+    rests = []
+    for _ in range(a.rest_samples):
+        rests.append(at_rest(site, reader, svc, closes))
+        closes = idle_closes(site)
+    res["RSS at rest (idle close) MB"] = rests[0]["RSS at rest (idle close) MB"]
+    first = sorted(r["first recording after the idle close ms"] for r in rests)
+    res["first recording after the idle close ms"] = (
+        f"{statistics.median(first):.1f} ({first[0]:.1f}-{first[-1]:.1f}, {len(first)} closes)")
     site.stop(svc)
     reader.close()
     res["never seen"] = never
@@ -340,6 +349,8 @@ def main():
     ap.add_argument("--soak", type=float, default=0, help="seconds of a 100/s soak (0: none)")
     ap.add_argument("--rescan-every", type=int, default=5)
     ap.add_argument("--starts", type=int, default=3)
+    ap.add_argument("--rest-samples", type=int, default=5,
+                    help="idle closes, each followed by one recording (its median is printed)")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the prepared tree again")
     ap.add_argument("--fresh", action="store_true", help="make the trees anew")
     ap.add_argument("--max-growth", type=float, default=1.1,
