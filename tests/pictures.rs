@@ -273,14 +273,10 @@ fn status_png_reads_the_outputs_while_the_service_appends() {
     unsafe {
         libc::kill(pid as libc::pid_t, libc::SIGTERM);
     }
-    let t = Instant::now();
-    while service.0.try_wait().unwrap().is_none() {
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "the service did not stop"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    assert!(
+        exit_within(&mut service.0, Duration::from_secs(30)).is_some(),
+        "the service did not stop"
+    );
 }
 
 #[test]

@@ -8,7 +8,7 @@ use crate::common::service::*;
 use crate::common::*;
 use serial_test::serial;
 use std::process::{ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const FAST: &str = "[ingest]\nsettle_ms = 100\nquarantine_after_s = 2\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n";
 const POISON: &str = "LEAK/S009~R999~20250118120530~100.wav";
@@ -32,20 +32,12 @@ fn run_failing(world: &World, args: &[&str]) -> (ExitStatus, String) {
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if t.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!(
-                "ailhd {args:?} did not stop; log:\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = exit_within(&mut child, Duration::from_secs(60)).unwrap_or_else(|| {
+        panic!(
+            "ailhd {args:?} did not stop; log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        )
+    });
     (status, std::fs::read_to_string(&log).unwrap_or_default())
 }
 

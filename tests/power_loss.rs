@@ -1651,7 +1651,6 @@ fn manifest_child(role: &str, dir: &Path) -> ! {
                 }
             }
             (Some("touch"), Some(round)) => {
-                println!("child: opened");
                 let mut b = ManifestBatch::default();
                 for i in 0..TOUCHED {
                     b.put_file(&manifest_path(i), &manifest_record(round));
@@ -1701,17 +1700,8 @@ fn run_manifest_child(test: &str, role: &str, dir: &Path) -> (bool, Vec<String>)
             out
         })
     };
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if t.elapsed() > Duration::from_secs(120) {
-            let _ = child.kill();
-            panic!("the manifest child `{role}` did not end within 120 s");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let status = exit_within(&mut child, Duration::from_secs(120))
+        .unwrap_or_else(|| panic!("the manifest child `{role}` did not end within 120 s"));
     let out = reader.join().unwrap();
     let lines = out
         .lines()

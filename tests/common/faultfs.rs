@@ -91,6 +91,20 @@ impl Stats {
     }
 }
 
+/// `offset..end` cut at page boundaries: (page, offset within it, length, position in the file).
+fn pieces(offset: u64, end: u64) -> impl Iterator<Item = (usize, usize, usize, u64)> {
+    let mut pos = offset;
+    std::iter::from_fn(move || {
+        (pos < end).then(|| {
+            let within = (pos % PAGE as u64) as usize;
+            let n = (PAGE - within).min((end - pos) as usize);
+            let piece = ((pos / PAGE as u64) as usize, within, n, pos);
+            pos += n as u64;
+            piece
+        })
+    })
+}
+
 /// A file's bytes: pages of `PAGE` bytes (None: zeros), and the size. Bytes past the size in
 /// the last page are always zero.
 #[derive(Clone, Default)]
@@ -106,16 +120,11 @@ impl Content {
         }
         let end = (offset + len as u64).min(self.size);
         let mut out = vec![0u8; (end - offset) as usize];
-        let mut pos = offset;
-        while pos < end {
-            let p = (pos / PAGE as u64) as usize;
-            let within = (pos % PAGE as u64) as usize;
-            let n = (PAGE - within).min((end - pos) as usize);
+        for (p, within, n, pos) in pieces(offset, end) {
             if let Some(Some(page)) = self.pages.get(p) {
                 let at = (pos - offset) as usize;
                 out[at..at + n].copy_from_slice(&page[within..within + n]);
             }
-            pos += n as u64;
         }
         out
     }
@@ -126,15 +135,10 @@ impl Content {
         if self.pages.len() < need {
             self.pages.resize(need, None);
         }
-        let mut pos = offset;
-        while pos < end {
-            let p = (pos / PAGE as u64) as usize;
-            let within = (pos % PAGE as u64) as usize;
-            let n = (PAGE - within).min((end - pos) as usize);
+        for (p, within, n, pos) in pieces(offset, end) {
             let page = self.pages[p].get_or_insert_with(|| Arc::new(vec![0u8; PAGE]));
             let at = (pos - offset) as usize;
             Arc::make_mut(page)[within..within + n].copy_from_slice(&data[at..at + n]);
-            pos += n as u64;
         }
         self.size = self.size.max(end);
     }
@@ -142,12 +146,7 @@ impl Content {
     /// `fallocate(PUNCH_HOLE | KEEP_SIZE)`: the range (clipped to the size) reads as zeros; whole
     /// pages are dropped, as a file system deallocates their blocks.
     fn punch(&mut self, offset: u64, len: u64) {
-        let end = (offset + len).min(self.size);
-        let mut pos = offset;
-        while pos < end {
-            let p = (pos / PAGE as u64) as usize;
-            let within = (pos % PAGE as u64) as usize;
-            let n = (PAGE - within).min((end - pos) as usize);
+        for (p, within, n, _) in pieces(offset, (offset + len).min(self.size)) {
             if let Some(slot) = self.pages.get_mut(p) {
                 if n == PAGE {
                     *slot = None;
@@ -155,7 +154,6 @@ impl Content {
                     Arc::make_mut(page)[within..within + n].fill(0);
                 }
             }
-            pos += n as u64;
         }
     }
 
@@ -1033,10 +1031,7 @@ impl Filesystem for Handler {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        // Linux's <linux/falloc.h>.
-        const KEEP_SIZE: i32 = 0x01;
-        const PUNCH_HOLE: i32 = 0x02;
-        if mode != 0 && mode != PUNCH_HOLE | KEEP_SIZE {
+        if mode != 0 && mode != libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE {
             return reply.error(Errno::EOPNOTSUPP);
         }
         let r = self.lock().and_then(|mut st| {

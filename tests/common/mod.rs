@@ -7,7 +7,7 @@ pub mod output;
 pub mod service;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, ExitStatus, Output};
 
 pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_ailhd"))
@@ -184,4 +184,20 @@ pub fn ok(o: &Output) -> String {
 pub fn test_name(module_path: &str, test: &str) -> String {
     let module = module_path.split_once("::").map_or("", |(_, m)| m);
     format!("{module}::{test}")
+}
+
+/// Waits up to `limit` for `child` to exit; past it, kills (and reaps) it and returns None.
+pub fn exit_within(child: &mut Child, limit: std::time::Duration) -> Option<ExitStatus> {
+    let t = std::time::Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }
