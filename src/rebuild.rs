@@ -205,14 +205,65 @@ pub fn rebuild_with(
         }
         .into());
     }
+    // The folders first, as `check-config` checks them: a recordings folder that is missing
+    // or is a file is refused (exit 2) before anything is locked, made or staged.
+    settings.check_paths()?;
     let _lock = WriterLocks::acquire(settings, "rebuild")?;
     crate::engine::manifest::set_cache_mb(settings.ingest.manifest_cache_mb);
     staging::finish_pending(settings)?;
     staging::prepare(settings)?;
+    let (mut report, close_start, status_report) = match build_staged(
+        settings,
+        ui,
+        scope,
+        make_featuriser,
+        started,
+    ) {
+        Ok(built) => built,
+        Err(e) => {
+            // Everything the build opened is closed by now: staging outputs that will never
+            // be swapped in go (the old outputs were not touched), so that a failed rebuild
+            // (a full disk, a featuriser that cannot start) leaves nothing behind.
+            match staging::discard(settings) {
+                    Ok(()) => log::warn!(
+                        "rebuild failed: its staging outputs are removed, the outputs in {} are as they were",
+                        settings.paths.output.display()
+                    ),
+                    Err(d) => log::warn!("could not remove the staging outputs: {d:#}"),
+                }
+            return Err(e);
+        }
+    };
+    let swap_start = Instant::now();
+    staging::swap_in(settings)?;
+    if let Err(e) = status_report.and_then(|r| Ok(crate::status::save_stopped(settings, &r)?)) {
+        log::debug!("cannot keep the status report of the rebuilt manifest: {e:#}");
+    }
+    report.elapsed = started.elapsed();
+    report.phases.extend([
+        ("close", (swap_start - close_start).as_secs_f64()),
+        ("swap", swap_start.elapsed().as_secs_f64()),
+    ]);
+    Ok(report)
+}
+
+/// What [`rebuild_with`] builds in the staging folders, up to the swap: the report (all but the
+/// close's and the swap's times and the elapsed time), when the close began and what `status`
+/// will show of the new manifest.
+fn build_staged(
+    settings: &Settings,
+    ui: &Ui,
+    scope: Scope,
+    make_featuriser: impl FnOnce(usize) -> anyhow::Result<Box<dyn features::Featuriser>> + Send,
+    started: Instant,
+) -> anyhow::Result<(
+    RebuildReport,
+    Instant,
+    anyhow::Result<crate::status::StatusReport>,
+)> {
+    let shard = scope.shard;
     let (mut found, before, featuriser, stores) = start_up(settings, make_featuriser)?;
     if found.is_empty() && before.committed > 0 && !scope.allow_empty {
-        drop((stores, featuriser));
-        staging::discard(settings)?;
         return Err(EmptyTree {
             root: settings.paths.recordings.clone(),
             committed: before.committed,
@@ -267,23 +318,9 @@ pub fn rebuild_with(
     let status_report = crate::status::collect(engine.manifest(), engine.labels(), settings);
     let close_start = Instant::now();
     let device_times = engine.finish()?;
-    for (rel, reason) in &report.quarantined {
-        log::warn!(file = rel.as_str(), reason = reason.as_str(); "quarantined {rel}: {reason}");
-    }
-    if let (Some(record), Some(shared)) = (record, shared) {
-        write_shard_records(settings, record, shared)?;
-    }
-    let swap_start = Instant::now();
-    staging::swap_in(settings)?;
-    if let Err(e) = status_report.and_then(|r| Ok(crate::status::save_stopped(settings, &r)?)) {
-        log::debug!("cannot keep the status report of the rebuilt manifest: {e:#}");
-    }
-    report.elapsed = started.elapsed();
     report.phases = vec![
         ("start", (ingest_start - started).as_secs_f64()),
         ("ingest", (close_start - ingest_start).as_secs_f64()),
-        ("close", (swap_start - close_start).as_secs_f64()),
-        ("swap", swap_start.elapsed().as_secs_f64()),
     ];
     report.stages = stage_times;
     if let Some(d) = device_times {
@@ -295,7 +332,13 @@ pub fn rebuild_with(
             ("gpu_download", d.download),
         ]);
     }
-    Ok(report)
+    for (rel, reason) in &report.quarantined {
+        log::warn!(file = rel.as_str(), reason = reason.as_str(); "quarantined {rel}: {reason}");
+    }
+    if let (Some(record), Some(shared)) = (record, shared) {
+        write_shard_records(settings, record, shared)?;
+    }
+    Ok((report, close_start, status_report))
 }
 
 /// The label ids: the configured names, those the old manifest appended, then folders appended
@@ -529,6 +572,33 @@ pub fn summary(settings: &Settings, r: &RebuildReport) -> String {
 mod tests {
     use super::*;
     use crate::config::UnknownLabel;
+
+    /// A rebuild whose start-up fails (here its featuriser, as `--device cuda` does on a host
+    /// without CUDA) leaves the outputs it had and no staging outputs behind.
+    #[test]
+    fn a_failed_start_up_leaves_no_staging_and_the_old_outputs() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Settings::in_folder(dir.path());
+        crate::synth::write_tree(&s.paths.recordings, &["LEAK"], 3, 1).unwrap();
+        let ui = Ui { progress: false };
+        let first = rebuild(&s, DeviceChoice::Cpu, &ui).unwrap();
+        let h5 = s.paths.output.join(&s.outputs.hdf5_names.training);
+        let before = std::fs::read(&h5).unwrap();
+        let err = rebuild_with(&s, &ui, Scope::default(), |_| {
+            anyhow::bail!("no featuriser here")
+        })
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("no featuriser here"), "{err:#}");
+        for p in [staging::output_staging(&s), staging::manifest_staging(&s)] {
+            assert!(!p.exists(), "{} left behind", p.display());
+        }
+        assert_eq!(
+            std::fs::read(&h5).unwrap(),
+            before,
+            "the old outputs changed"
+        );
+        assert!(first.files > 0);
+    }
 
     /// The labels in an npy output's `attributes.json`.
     fn npy_labels(s: &Settings, split: usize) -> Vec<String> {

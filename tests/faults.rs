@@ -366,6 +366,60 @@ fn a_rebuild_of_an_empty_recordings_folder_changes_nothing_unless_allowed() {
     assert_eq!(s["splits"]["training"]["rows"].as_u64(), Some(0), "{s}");
 }
 
+/// A `rebuild` that fills the output disk part way through fails, saying so and naming the
+/// folder; the outputs it was to replace stay as they were, and its staging outputs are
+/// removed, so the disk has its space back (a full disk left full by a failed rebuild would stop
+/// the service too).
+#[test]
+#[serial]
+fn a_rebuild_that_fills_the_output_disk_leaves_the_outputs_and_the_space() {
+    let world = World::new(FAST);
+    let _tmpfs = Tmpfs::mount(&world.out(), "4m");
+    add(&world, 0..4);
+    ok(&world.run(&["rebuild", "--device", "cpu"]));
+    let training = world.out().join("TRAINING_DATASET.H5");
+    let before = std::fs::read(&training).unwrap();
+    let listing = |dir: &Path| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    let names = listing(&world.out());
+    // Twice the features the 4 MiB disk can hold (each clip's rows take ~20 KB in the HDF5 file
+    // and the npy columns together).
+    add(&world, 4..404);
+    let o = world.run(&["rebuild", "--device", "cpu"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(world.out().to_str().unwrap()),
+        "names the folder: {err}"
+    );
+    assert!(
+        err.to_lowercase().contains("no space left") || err.contains("disk full"),
+        "says the disk is full: {err}"
+    );
+    assert_eq!(listing(&world.out()), names, "the output folder changed");
+    assert!(
+        std::fs::read(&training).unwrap() == before,
+        "the outputs changed"
+    );
+    assert_eq!(committed(&world.status_json()), 4);
+    // Room again (the 400 recordings moved elsewhere): the next rebuild works.
+    let away = world.dir.path().join("away");
+    std::fs::create_dir_all(&away).unwrap();
+    for i in 4..404 {
+        let (_, rel) = alternating(i, 4);
+        let from = world.rec().join(&rel);
+        std::fs::rename(&from, away.join(format!("{i}.wav"))).unwrap();
+    }
+    ok(&world.run(&["rebuild", "--device", "cpu"]));
+    assert_eq!(committed(&world.status_json()), 4);
+}
+
 /// The recordings' disk unmounted under a running service leaves an empty mount point: that is
 /// a disk not there, not every recording deleted. The service notices the folder is another one
 /// (it looks every 10 s), compares it, lets go of no row (a trainer keeps its dataset) and says

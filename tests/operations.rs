@@ -65,6 +65,26 @@ fn check_config_checks_the_folders_the_service_needs() {
     std::fs::write(&file, b"x").unwrap();
     set_path(&world, "recordings", &file);
     refused(&world, "paths.recordings", &file);
+    // `rebuild` refuses both the same way, before it makes, locks or stages anything.
+    for bad in [&missing, &file] {
+        set_path(&world, "recordings", bad);
+        let o = world.run(&["rebuild", "--device", "cpu"]);
+        let err = stderr(&o);
+        assert_eq!(
+            o.status.code(),
+            Some(2),
+            "rebuild of {}: {err}",
+            bad.display()
+        );
+        assert!(
+            err.contains("paths.recordings") && err.contains(bad.to_str().unwrap()),
+            "{err}"
+        );
+        assert!(
+            !world.out().exists() && !world.state().exists(),
+            "a refused rebuild made the output or state folder"
+        );
+    }
     set_path(&world, "recordings", &world.rec());
 
     // Output that cannot be created (under a file), or in a folder nobody may write (/proc
