@@ -732,6 +732,17 @@ impl Settings {
     /// does not answer) is a [`PathUnavailable`], which `run` reports as a run-time failure
     /// (exit 1: systemd restarts it).
     pub fn check_paths(&self) -> Result<(), PathsError> {
+        self.check_data_folders()?;
+        if let Some(t) = &self.metrics.textfile {
+            let dir = t.parent().unwrap_or(Path::new("/"));
+            check_writable_dir("metrics.textfile", dir, false)?;
+        }
+        Ok(())
+    }
+
+    /// The part of [`Settings::check_paths`] that `rebuild` needs too (it writes no metrics): the
+    /// recordings folder, and the output and state folders.
+    pub fn check_data_folders(&self) -> Result<(), PathsError> {
         let rec = &self.paths.recordings;
         match std::fs::metadata(rec) {
             Err(e) => {
@@ -758,12 +769,7 @@ impl Settings {
             ));
         }
         check_writable_dir("paths.output", &self.paths.output, true)?;
-        check_writable_dir("paths.state", &self.paths.state, true)?;
-        if let Some(t) = &self.metrics.textfile {
-            let dir = t.parent().unwrap_or(Path::new("/"));
-            check_writable_dir("metrics.textfile", dir, false)?;
-        }
-        Ok(())
+        check_writable_dir("paths.state", &self.paths.state, true)
     }
 
     /// Split index for a top-level folder in directory mode.

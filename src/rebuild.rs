@@ -205,35 +205,32 @@ pub fn rebuild_with(
         }
         .into());
     }
-    // The folders first, as `check-config` checks them: a recordings folder that is missing
-    // or is a file is refused (exit 2) before anything is locked, made or staged.
-    settings.check_paths()?;
+    // The recordings, output and state folders first, as `check-config` checks them: a
+    // recordings folder that is missing or is a file is refused (exit 2) before anything is
+    // locked, made or staged.
+    settings.check_data_folders()?;
     let _lock = WriterLocks::acquire(settings, "rebuild")?;
     crate::engine::manifest::set_cache_mb(settings.ingest.manifest_cache_mb);
     staging::finish_pending(settings)?;
     staging::prepare(settings)?;
-    let (mut report, close_start, status_report) = match build_staged(
-        settings,
-        ui,
-        scope,
-        make_featuriser,
-        started,
-    ) {
-        Ok(built) => built,
-        Err(e) => {
-            // Everything the build opened is closed by now: staging outputs that will never
-            // be swapped in go (the old outputs were not touched), so that a failed rebuild
-            // (a full disk, a featuriser that cannot start) leaves nothing behind.
-            match staging::discard(settings) {
+    let (mut report, close_start, status_report) =
+        match build_staged(settings, ui, scope, make_featuriser, started) {
+            Ok(built) => built,
+            Err(e) => {
+                // Everything the build opened is closed by now: staging outputs that will never
+                // be swapped in go (the old outputs were not touched), so that a failed rebuild
+                // (a full disk, a featuriser that cannot start) leaves nothing behind.
+                match staging::discard(settings) {
                     Ok(()) => log::warn!(
-                        "rebuild failed: its staging outputs are removed, the outputs in {} are as they were",
+                        "rebuild failed: its staging outputs are removed, the outputs in {} are \
+                         as they were",
                         settings.paths.output.display()
                     ),
                     Err(d) => log::warn!("could not remove the staging outputs: {d:#}"),
                 }
-            return Err(e);
-        }
-    };
+                return Err(e);
+            }
+        };
     let swap_start = Instant::now();
     staging::swap_in(settings)?;
     if let Err(e) = status_report.and_then(|r| Ok(crate::status::save_stopped(settings, &r)?)) {

@@ -34,9 +34,14 @@ fn set_path(world: &World, key: &str, value: &Path) {
 }
 
 fn refused(world: &World, key: &str, path: &Path) {
-    let o = world.run(&["check-config"]);
+    refused_by(world, &["check-config"], key, path);
+}
+
+/// `args` exits 2 naming `key` and `path`.
+fn refused_by(world: &World, args: &[&str], key: &str, path: &Path) {
+    let o = world.run(args);
     let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(2), "{key}: {err}");
+    assert_eq!(o.status.code(), Some(2), "{args:?}, {key}: {err}");
     assert!(
         err.contains(key) && err.contains(path.to_str().unwrap()),
         "expected {key} and {} in: {err}",
@@ -68,17 +73,11 @@ fn check_config_checks_the_folders_the_service_needs() {
     // `rebuild` refuses both the same way, before it makes, locks or stages anything.
     for bad in [&missing, &file] {
         set_path(&world, "recordings", bad);
-        let o = world.run(&["rebuild", "--device", "cpu"]);
-        let err = stderr(&o);
-        assert_eq!(
-            o.status.code(),
-            Some(2),
-            "rebuild of {}: {err}",
-            bad.display()
-        );
-        assert!(
-            err.contains("paths.recordings") && err.contains(bad.to_str().unwrap()),
-            "{err}"
+        refused_by(
+            &world,
+            &["rebuild", "--device", "cpu"],
+            "paths.recordings",
+            bad,
         );
         assert!(
             !world.out().exists() && !world.state().exists(),
