@@ -14,6 +14,10 @@ pub enum ConfigError {
     Load { path: String, message: String },
     #[error("configuration: {0}")]
     Parse(String),
+    /// An `AILHD_<SECTION>__<KEY>` override that does not parse: named as the operator set it,
+    /// not blamed on the configuration file.
+    #[error("environment variable {var}: {message}")]
+    Env { var: String, message: String },
     #[error("configuration key `{key}`: {message}")]
     Invalid { key: String, message: String },
 }
@@ -561,6 +565,35 @@ impl Gpu {
     }
 }
 
+/// The override a value error came from, when it came from the environment (the `config`
+/// crate's origin for `Environment` is "the environment"): `ingest.workers` is
+/// `AILHD_INGEST__WORKERS`.
+fn from_environment(e: &config::ConfigError) -> Option<ConfigError> {
+    const ENVIRONMENT: &str = "the environment";
+    let (key, message) = match e {
+        config::ConfigError::Type {
+            origin: Some(origin),
+            unexpected,
+            expected,
+            key: Some(key),
+        } if origin == ENVIRONMENT => (
+            key,
+            format!("invalid type: {unexpected}, expected {expected}"),
+        ),
+        config::ConfigError::At {
+            error,
+            origin: Some(origin),
+            key: Some(key),
+        } if origin == ENVIRONMENT => (key, error.to_string()),
+        _ => return None,
+    };
+    let var = format!("AILHD_{}", key.to_uppercase().replace('.', "__"));
+    Some(ConfigError::Env {
+        var,
+        message: format!("{message} (key `{key}`)"),
+    })
+}
+
 impl Settings {
     /// Load as the contract says: `explicit` (from `--config`), else `$AILHD_CONFIG`, else
     /// `/etc/ailhd/ailhd.toml` if it exists, else built-in defaults; then `AILHD_<SECTION>__<KEY>`
@@ -600,20 +633,16 @@ impl Settings {
                 .with_list_parse_key("labels.names")
                 .try_parsing(true),
         );
-        let built = builder.build().map_err(|e| match &file {
-            Some((p, _)) => ConfigError::Load {
+        let source = |e: config::ConfigError| match (from_environment(&e), &file) {
+            (Some(env), _) => env,
+            (None, Some((p, _))) => ConfigError::Load {
                 path: p.display().to_string(),
                 message: e.to_string(),
             },
-            None => ConfigError::Parse(e.to_string()),
-        })?;
-        let settings: Settings = built.try_deserialize().map_err(|e| match &file {
-            Some((p, _)) => ConfigError::Load {
-                path: p.display().to_string(),
-                message: e.to_string(),
-            },
-            None => ConfigError::Parse(e.to_string()),
-        })?;
+            (None, None) => ConfigError::Parse(e.to_string()),
+        };
+        let built = builder.build().map_err(source)?;
+        let settings: Settings = built.try_deserialize().map_err(source)?;
         settings.validate()?;
         Ok(settings)
     }

@@ -49,6 +49,20 @@ fn environment_overrides_and_config_search_order() {
         String::from_utf8_lossy(&o.stderr)
     );
     assert!(String::from_utf8_lossy(&o.stderr).contains("splits.ratios"));
+    // A value that does not parse is blamed on the variable, not on the configuration file.
+    let o = world
+        .cmd(&["check-config"])
+        .env("AILHD_INGEST__WORKERS", "many")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("environment variable AILHD_INGEST__WORKERS")
+            && err.contains("\"many\"")
+            && !err.contains("configuration file"),
+        "{err}"
+    );
     let o = world
         .cmd(&["check-config"])
         .env("AILHD_PATHS__OUTPUT", "/tmp/elsewhere")

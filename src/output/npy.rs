@@ -373,7 +373,14 @@ impl NpySink {
             );
         }
         if self.len > self.committed {
-            log::warn!(
+            // A staging output's rows never reach users: its rebuild failed, and says so once.
+            let level = if self.staged {
+                log::Level::Debug
+            } else {
+                log::Level::Warn
+            };
+            log::log!(
+                level,
                 "{}: closing with {} uncommitted rows; dropping them",
                 self.dir.display(),
                 self.len - self.committed
