@@ -620,18 +620,7 @@ impl Hdf5Sink {
         }
         let keep = self.committed.max(self.prepared);
         if self.len > keep && !self.broken {
-            // A staging file's rows never reach users: its rebuild failed, and says so once.
-            let level = if self.staged {
-                log::Level::Debug
-            } else {
-                log::Level::Warn
-            };
-            log::log!(
-                level,
-                "{}: closing with {} uncommitted rows; dropping them",
-                self.path.display(),
-                self.len - keep
-            );
+            super::log_dropped_rows(&self.path, self.len - keep, self.staged);
         }
         let result = if self.broken {
             Ok(())

@@ -155,6 +155,22 @@ fn start_writeback(fd: std::os::fd::RawFd, path: &Path) -> anyhow::Result<()> {
 }
 
 /// Where split `split` (0..3) of each kind lives under an output directory.
+/// A sink closing with rows it never committed drops them: a warning for the live outputs (a
+/// failing disk, a stop in mid-batch), a debug line for a staging output, whose failed rebuild
+/// says so once for all of them.
+pub(crate) fn log_dropped_rows(path: &Path, rows: u64, staged: bool) {
+    let level = if staged {
+        log::Level::Debug
+    } else {
+        log::Level::Warn
+    };
+    log::log!(
+        level,
+        "{}: closing with {rows} uncommitted rows; dropping them",
+        path.display()
+    );
+}
+
 pub fn hdf5_path(output: &Path, names: &crate::config::HdfNames, split: usize) -> PathBuf {
     output.join(names.for_split(split))
 }

@@ -373,18 +373,7 @@ impl NpySink {
             );
         }
         if self.len > self.committed {
-            // A staging output's rows never reach users: its rebuild failed, and says so once.
-            let level = if self.staged {
-                log::Level::Debug
-            } else {
-                log::Level::Warn
-            };
-            log::log!(
-                level,
-                "{}: closing with {} uncommitted rows; dropping them",
-                self.dir.display(),
-                self.len - self.committed
-            );
+            super::log_dropped_rows(&self.dir, self.len - self.committed, self.staged);
         }
         // Cell edits are in place (not transactional): make them durable too (a staging
         // output's are, by the syncs of its cut).
