@@ -581,6 +581,63 @@ fn a_recording_arriving_during_the_start_up_rescan_is_ingested_at_once() {
     compare_with_rebuild(&world);
 }
 
+/// `status` lists a recording still being written as pending, with why and since when, and no
+/// longer once it is committed, also when nothing happens afterwards (the list, taken from the
+/// settle stage at most every 500 ms, was once left as it was before the file's close: a
+/// committed recording stayed "pending" until the next event).
+#[test]
+#[serial]
+fn status_lists_a_recording_being_written_until_it_is_committed() {
+    let world = World::new(
+        "[ingest]\nsettle_ms = 100\nquarantine_after_s = 60\nidle_close_s = 0\nrescan_interval_s = 0\ndevice = \"cpu\"\n",
+    );
+    let svc = Service::start(&world);
+    let rel = "LEAK/S001~R1~20250118120530~100.wav";
+    let bytes = clip_wav("LEAK", 902);
+    let dst = world.rec().join(rel);
+    std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+    let mut f = std::fs::File::create(&dst).unwrap();
+    let half = bytes.len() / 2;
+    f.write_all(&bytes[..half]).unwrap();
+    f.flush().unwrap();
+    let before_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let listed = svc.wait("the half-written recording listed as pending", |s| {
+        s["service"]["pending"]
+            .as_array()
+            .is_some_and(|p| !p.is_empty())
+    });
+    let pending = &listed["service"]["pending"][0];
+    assert_eq!(pending["path"], rel, "{listed}");
+    assert!(
+        pending["why"].as_str().unwrap_or("").contains("written"),
+        "{listed}"
+    );
+    let since = pending["since_ms"].as_i64().unwrap();
+    assert!(
+        (before_ms - 5_000..=before_ms + 1_000).contains(&since),
+        "{listed}"
+    );
+    assert_eq!(committed(&listed), 0, "{listed}");
+    // Wait past the listing's period, so that the close's event is the last to take the list.
+    std::thread::sleep(Duration::from_millis(700));
+    f.write_all(&bytes[half..]).unwrap();
+    drop(f);
+    svc.wait("the recording committed", |s| committed(s) == 1);
+    // Nothing else happens (the files stay open: no idle close comes to write a snapshot),
+    // and the snapshot comes to say that nothing is pending.
+    svc.wait("the committed recording no longer listed as pending", |s| {
+        s["service"]["pending"]
+            .as_array()
+            .is_some_and(|p| p.is_empty())
+    });
+    let st = world.status_json();
+    assert_eq!(st["service"]["pending"], serde_json::json!([]), "{st}");
+    svc.terminate();
+}
+
 /// Idle for `idle_close_s` while a rescan runs, the service does not wait for the rescan to
 /// close its files: a recording that arrives meanwhile is committed at once.
 #[test]

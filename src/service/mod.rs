@@ -128,6 +128,8 @@ pub async fn serve(
         watcher,
         ingested: 0,
         pending_listed: Instant::now(),
+        listed_changes: 0,
+        unwatched_listed: Instant::now(),
         device,
         unreadable: unreadable::Unreadable::default(),
         root_id: folder_id(&root),
@@ -145,6 +147,7 @@ pub async fn serve(
         let settle_at = ev.settler.next_deadline();
         let rescan_at = ev.next_rescan;
         let retry_at = ev.unreadable.next_due();
+        let listing_at = ev.listing_due();
         tokio::select! {
             _ = &mut shutdown => break,
             _ = hup.recv() => ev.reload(),
@@ -168,6 +171,8 @@ pub async fn serve(
                 ev.check_root();
             }
             _ = sleep_until(retry_at) => ev.retry_unreadable(),
+            // Nothing else to do: the list of pending files is taken below.
+            _ = sleep_until(listing_at) => {}
             _ = watchdog_tick.tick(), if watchdog.is_some() => feed_watchdog(&ev.shared, watchdog),
         }
         ev.tell_systemd();
@@ -263,6 +268,11 @@ struct EventLoop {
     watcher: Watcher,
     ingested: u64,
     pending_listed: Instant,
+    /// The settle stage's [`changes`](source::settle::Settler::changes) when `status`'s list of
+    /// pending files was last taken from it.
+    listed_changes: u64,
+    /// When the list of unwatched folders was last taken for `status` and the metrics.
+    unwatched_listed: Instant,
     next_rescan: Option<Instant>,
     device: String,
     /// Files quarantined because reading them failed, to read again after a while.
@@ -499,18 +509,43 @@ impl EventLoop {
         }
     }
 
+    /// When the list of pending files `status` shows is due to be taken again: it changed since
+    /// it was last taken, which is at most every [`LISTING_EVERY`] (a bulk copy can leave
+    /// thousands of files pending), or at once when nothing is pending any more (an empty list
+    /// costs nothing). A list that changed is always taken in the end, also when no event
+    /// follows: a file that was committed is not left listed as pending.
+    fn listing_due(&self) -> Option<Instant> {
+        if self.settler.changes() == self.listed_changes {
+            None
+        } else if self.settler.is_empty() {
+            Some(Instant::now())
+        } else {
+            Some(self.pending_listed + LISTING_EVERY)
+        }
+    }
+
     /// The queue and the settle stage's list for `status`, and systemd's STATUS= line.
     fn tell_systemd(&mut self) {
-        let shared = &self.shared;
-        shared.settling.store(self.settler.len(), Ordering::Relaxed);
-        if self.pending_listed.elapsed() > Duration::from_millis(500) {
+        if self.listing_due().is_some_and(|at| at <= Instant::now()) {
             let mut list = self.settler.pending();
             list.truncate(200);
-            *shared.pending.lock().unwrap_or_else(|e| e.into_inner()) = list;
+            *self
+                .shared
+                .pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = list;
+            self.listed_changes = self.settler.changes();
+            self.pending_listed = Instant::now();
+            // The worker writes a new snapshot once it sees this (see `Worker::on_idle`).
+            self.shared.pending_version.fetch_add(1, Ordering::Relaxed);
+        }
+        let shared = &self.shared;
+        shared.settling.store(self.settler.len(), Ordering::Relaxed);
+        if self.unwatched_listed.elapsed() >= LISTING_EVERY {
             let unwatched = self.watcher.unwatched();
             crate::metrics::unwatched(unwatched.len());
             *shared.unwatched.lock().unwrap_or_else(|e| e.into_inner()) = unwatched;
-            self.pending_listed = Instant::now();
+            self.unwatched_listed = Instant::now();
         }
         let queue = self.settler.len() + shared.queued.load(Ordering::Relaxed);
         let (ingested, device) = (self.ingested, &self.device);
@@ -521,6 +556,10 @@ impl EventLoop {
         let _ = sd_notify::notify(&[NotifyState::Status(&text)]);
     }
 }
+
+/// How often, at most, the list of pending files (and of unwatched folders) is taken for
+/// `status`.
+const LISTING_EVERY: Duration = Duration::from_millis(500);
 
 /// How often folders a watch limit left unwatched are retried (and the tree rescanned).
 const UNWATCHED_RETRY: Duration = Duration::from_secs(10);

@@ -39,6 +39,9 @@ pub(super) struct Shared {
     pub(super) alive_ms: AtomicI64,
     /// Files waiting to be complete (the settle stage's list, refreshed now and then).
     pub(super) pending: Mutex<Vec<PendingFile>>,
+    /// Counts the times `pending` was written, so that the worker writes its status snapshot
+    /// again when the list changed while nothing else did.
+    pub(super) pending_version: AtomicU64,
     /// Set while writing fails (for systemd's STATUS=).
     pub(super) fault: Mutex<Option<String>>,
     /// Folders the watcher could not watch (limits), with why.

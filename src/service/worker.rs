@@ -113,6 +113,8 @@ pub(super) struct Worker {
     /// The label names as of the last snapshot (every one gets an `ailhd_rows` series).
     pub(super) labels: Vec<String>,
     pub(super) dirty: bool,
+    /// `Shared::pending_version` when the last snapshot took the list of pending files.
+    pending_seen: u64,
     pub(super) last_snapshot: Instant,
     pub(super) snapshot_cost: Duration,
     pub(super) last_work: Instant,
@@ -502,6 +504,7 @@ impl Worker {
             last_report: status::StatusReport::default(),
             labels,
             dirty: true,
+            pending_seen: 0,
             last_snapshot: Instant::now() - Duration::from_secs(3600),
             snapshot_cost: Duration::ZERO,
             last_work: Instant::now(),
@@ -627,6 +630,10 @@ impl Worker {
         if self.dirty {
             self.snapshot();
             crate::memory::release_free_memory();
+        } else if self.shared.pending_version.load(Ordering::Relaxed) != self.pending_seen {
+            // Only the list of pending files changed (a file committed since the last snapshot
+            // left it): `status` must not go on listing it.
+            self.snapshot();
         }
         let idle_close = self.settings.ingest.idle_close_s;
         // The manifest closes with the files, so a running rescan would have to end first:
@@ -804,6 +811,7 @@ impl Worker {
         let mut r = self.last_report.clone();
         crate::metrics::record_status(&r, &self.labels);
         let shared = &self.shared;
+        self.pending_seen = shared.pending_version.load(Ordering::Relaxed);
         let queue = shared.settling.load(Ordering::Relaxed) + shared.queued.load(Ordering::Relaxed);
         crate::metrics::pending(shared.settling.load(Ordering::Relaxed));
         crate::metrics::queue_depth(queue);

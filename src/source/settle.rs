@@ -84,6 +84,9 @@ pub struct Settler {
     /// (due, path) for every pending file, so the next deadline and the due files are found
     /// without scanning: a bulk copy can leave thousands of files pending at once.
     schedule: BTreeSet<(Instant, PathBuf)>,
+    /// Counts the calls that may have changed what [`pending`](Settler::pending) lists, so that
+    /// a caller listing it now and then knows when its copy is stale.
+    changes: u64,
 }
 
 #[derive(Debug)]
@@ -136,12 +139,14 @@ impl Settler {
             quarantine_after,
             pending: HashMap::new(),
             schedule: BTreeSet::new(),
+            changes: 0,
         }
     }
 
     /// Records that `path` was touched at `now`. `strong`: closed after writing or moved into
     /// place. A weak touch after a strong one cancels the fast path (the writer came back).
     pub fn note(&mut self, path: &Path, strong: bool, now: Instant) {
+        self.changes += 1;
         let due = if strong { now } else { now + self.settle };
         let first_recheck = self.settle.max(MIN_RECHECK);
         let entry = self
@@ -177,6 +182,7 @@ impl Settler {
         if self.pending.contains_key(path) {
             return;
         }
+        self.changes += 1;
         let entry = Pending {
             strong: false,
             last_change: now,
@@ -200,6 +206,8 @@ impl Settler {
             if *due > now {
                 break;
             }
+            // A probe may decide the file or change why it waits.
+            self.changes += 1;
             let (_, path) = self.schedule.pop_first().expect("first() was Some");
             let Some(entry) = self.pending.get_mut(&path) else {
                 continue;
@@ -290,8 +298,15 @@ impl Settler {
     /// removed directory need not be forgotten one by one: their next probe finds them missing.
     pub fn forget(&mut self, path: &Path) {
         if let Some(entry) = self.pending.remove(path) {
+            self.changes += 1;
             self.schedule.remove(&(entry.due, path.to_path_buf()));
         }
+    }
+
+    /// Grows with every change to what [`pending`](Settler::pending) lists (and with every
+    /// probe, which may change why a file waits).
+    pub fn changes(&self) -> u64 {
+        self.changes
     }
 
     /// Files touched and not yet decided, with why they wait, oldest first.
