@@ -382,7 +382,8 @@ pub fn write_atomically(path: &Path, text: &str) -> anyhow::Result<()> {
 /// The running exporters; dropping it stops them (the textfile gets a last write, `ailhd_up 0`).
 pub struct Exporter {
     stop: Arc<AtomicBool>,
-    server: Option<Arc<tiny_http::Server>>,
+    /// The endpoint's server once it listens (at once, or after [`LISTEN_RETRY`]s).
+    server: Arc<std::sync::Mutex<Option<Arc<tiny_http::Server>>>>,
     threads: Vec<std::thread::JoinHandle<()>>,
     textfile: Option<PathBuf>,
     /// Where the HTTP endpoint listens (the port actually bound, also for port 0).
@@ -405,26 +406,32 @@ impl Exporter {
         let stop = Arc::new(AtomicBool::new(false));
         let mut ex = Exporter {
             stop: stop.clone(),
-            server: None,
+            server: Arc::default(),
             threads: Vec::new(),
             textfile: settings.textfile.clone(),
             listening: None,
         };
         if let Some(addr) = &settings.listen {
-            let server = tiny_http::Server::http(addr.as_str()).map_err(|e| {
-                anyhow::anyhow!("[metrics] listen = {addr:?}: cannot listen there: {e}")
-            })?;
-            let server = Arc::new(server);
-            ex.listening = server.server_addr().to_ip();
-            let srv = server.clone();
-            let stop = stop.clone();
+            // An address that is taken (another exporter, the previous process not gone yet)
+            // may come free: the service ingests without the endpoint meanwhile and tries again,
+            // as with any condition that may pass.
+            let first = tiny_http::Server::http(addr.as_str()).map(Arc::new);
+            match &first {
+                Ok(server) => {
+                    ex.listening = server.server_addr().to_ip();
+                    log::info!("metrics: serving http://{addr}/metrics");
+                }
+                Err(e) => log::warn!(
+                    "[metrics] listen = {addr:?}: cannot listen there: {e}; the service runs \
+                     without the endpoint and tries again every {LISTEN_RETRY:?}"
+                ),
+            }
+            let (addr, slot, stop) = (addr.clone(), ex.server.clone(), stop.clone());
             ex.threads.push(
                 std::thread::Builder::new()
                     .name("ailhd-metrics-http".into())
-                    .spawn(move || serve_http(&srv, &stop))?,
+                    .spawn(move || listen_and_serve(&addr, first.ok(), &slot, &stop))?,
             );
-            ex.server = Some(server);
-            log::info!("metrics: serving http://{addr}/metrics");
         }
         // The textfile writer also does the recorder's upkeep (histogram bookkeeping), which an
         // endpoint nobody scrapes would otherwise never run. The first file is written once the
@@ -465,7 +472,8 @@ impl Exporter {
 impl Drop for Exporter {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(s) = &self.server {
+        let server = self.server.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(s) = &server {
             s.unblock();
         }
         for t in self.threads.drain(..) {
@@ -474,7 +482,7 @@ impl Drop for Exporter {
         // tiny_http's Server connects to itself when dropped, to wake its accept thread; if
         // the unit's IP filter changed underneath (a drop-in removed, then daemon-reload), that
         // connect hangs until the TCP timeout. Never let it hold up the stop: close it aside.
-        if let Some(server) = self.server.take() {
+        if let Some(server) = server {
             let _ = std::thread::Builder::new()
                 .name("ailhd-metrics-close".into())
                 .spawn(move || drop(server));
@@ -501,6 +509,39 @@ fn sleep_unless_stopped(stop: &AtomicBool, d: Duration) -> bool {
         left -= s;
     }
     stop.load(Ordering::Relaxed)
+}
+
+/// How often an endpoint address that could not be bound is tried again.
+pub const LISTEN_RETRY: Duration = Duration::from_secs(5);
+
+/// Serve `server`, or once `addr` can be bound (tried every [`LISTEN_RETRY`]); the server is
+/// kept in `slot` for the stop to unblock it.
+fn listen_and_serve(
+    addr: &str,
+    mut server: Option<Arc<tiny_http::Server>>,
+    slot: &std::sync::Mutex<Option<Arc<tiny_http::Server>>>,
+    stop: &AtomicBool,
+) {
+    let server = loop {
+        if let Some(s) = server.take() {
+            break s;
+        }
+        if sleep_unless_stopped(stop, LISTEN_RETRY) {
+            return;
+        }
+        if let Ok(s) = tiny_http::Server::http(addr) {
+            log::info!("metrics: serving http://{addr}/metrics (the address is free now)");
+            server = Some(Arc::new(s));
+        }
+    };
+    *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(server.clone());
+    // A stop that came while the server was being made found no server to unblock: the
+    // loop below sees the flag within its timeout.
+    serve_http(&server, stop);
+    // Never the last handle to drop on this thread, which the stop joins (see `Drop`).
+    let _ = std::thread::Builder::new()
+        .name("ailhd-metrics-close".into())
+        .spawn(move || drop(server));
 }
 
 fn serve_http(server: &tiny_http::Server, stop: &AtomicBool) {

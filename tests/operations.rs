@@ -3,7 +3,7 @@
 //! reporting an accepted and a refused configuration through its exit status, and the metrics
 //! textfile the running service keeps.
 
-use crate::common::service::Service;
+use crate::common::service::{committed, Service};
 use crate::common::*;
 use serial_test::serial;
 use std::os::unix::fs::PermissionsExt;
@@ -364,6 +364,51 @@ fn promtool_check(what: &str, text: &str) {
         String::from_utf8_lossy(&o.stderr)
     );
     println!("promtool check metrics of {what}: clean");
+}
+
+/// A metrics address that is taken does not stop the service (ingestion is what it is for): it
+/// says so, ingests, and serves the endpoint once the address comes free.
+#[test]
+#[serial]
+fn a_taken_metrics_address_is_retried_while_the_service_ingests() {
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = holder.local_addr().unwrap().port();
+    let world = World::new(&format!("{FAST}[metrics]\nlisten = \"127.0.0.1:{port}\"\n"));
+    let svc = Service::start(&world);
+    assert!(
+        svc.log().contains("cannot listen there"),
+        "no warning about the address; log:\n{}",
+        svc.log()
+    );
+    add_recordings(&world, 2);
+    svc.wait("the recordings committed without the endpoint", |s| {
+        committed(s) == 2
+    });
+    drop(holder);
+    let t = Instant::now();
+    let page = loop {
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            use std::io::{Read, Write};
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            write!(
+                s,
+                "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
+            .unwrap();
+            let mut page = String::new();
+            s.read_to_string(&mut page).unwrap();
+            break page;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the endpoint never came up once the address was free; log:\n{}",
+            svc.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+    assert!(page.contains("ailhd_files_ingested_total 2"), "{page}");
+    svc.terminate();
 }
 
 /// Every documented family is in the first answer to a scrape of `/metrics` and in the first
