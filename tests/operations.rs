@@ -366,6 +366,21 @@ fn promtool_check(what: &str, text: &str) {
     println!("promtool check metrics of {what}: clean");
 }
 
+/// `GET /metrics` from the endpoint on `port`: the whole answer, or None when nothing listens.
+fn get_metrics(port: u16) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut page = String::new();
+    s.read_to_string(&mut page).unwrap();
+    Some(page)
+}
+
 /// A metrics address that is taken does not stop the service (ingestion is what it is for): it
 /// says so, ingests, and serves the endpoint once the address comes free.
 #[test]
@@ -387,16 +402,7 @@ fn a_taken_metrics_address_is_retried_while_the_service_ingests() {
     drop(holder);
     let t = Instant::now();
     let page = loop {
-        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
-            use std::io::{Read, Write};
-            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-            write!(
-                s,
-                "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-            )
-            .unwrap();
-            let mut page = String::new();
-            s.read_to_string(&mut page).unwrap();
+        if let Some(page) = get_metrics(port) {
             break page;
         }
         assert!(
@@ -432,16 +438,7 @@ fn every_documented_metric_family_is_there_from_the_first_scrape() {
     // The first scrape: as soon as the port takes a connection.
     let t = Instant::now();
     let scrape = loop {
-        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
-            use std::io::{Read, Write};
-            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-            write!(
-                s,
-                "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-            )
-            .unwrap();
-            let mut page = String::new();
-            s.read_to_string(&mut page).unwrap();
+        if let Some(page) = get_metrics(port) {
             assert!(page.starts_with("HTTP/1.1 200"), "{page}");
             break page[page.find("\r\n\r\n").unwrap() + 4..].to_string();
         }
