@@ -193,7 +193,12 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Inspect { file, json, png } => inspect(&load_settings(&cli)?, file, *json, png),
         Command::Demo { dir } => {
             let s = load_settings(&cli)?;
-            std::fs::create_dir_all(dir)?;
+            anyhow::Context::with_context(std::fs::create_dir_all(dir), || {
+                format!(
+                    "cannot make the demo folder {}: give `ailhd demo` a new folder",
+                    dir.display()
+                )
+            })?;
             ailhd::demo::run(dir, s.ingest.device, &ui)
         }
         Command::Doctor { json } => {

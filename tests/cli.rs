@@ -96,6 +96,33 @@ fn bad_usage_exits_2() {
     assert_eq!(o.status.code(), Some(2));
 }
 
+/// `demo` into a folder that cannot be one (a file) or that holds a demo already says which and
+/// why, and writes nothing.
+#[test]
+fn demo_refuses_a_file_or_an_existing_demo_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a_file");
+    std::fs::write(&file, "not a folder").unwrap();
+    let existing = dir.path().join("d");
+    std::fs::create_dir_all(existing.join("MASTER_DATASET")).unwrap();
+    for (target, why) in [(&file, "File exists"), (&existing, "already exists")] {
+        let o = std::process::Command::new(bin())
+            .arg("demo")
+            .arg(target)
+            .env_remove("AILHD_CONFIG")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(target.to_str().unwrap()) && err.contains(why),
+            "{err}"
+        );
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a folder");
+    assert_eq!(std::fs::read_dir(&existing).unwrap().count(), 1);
+}
+
 #[test]
 fn demo_builds_a_tree_a_user_can_read() {
     let dir = tempfile::tempdir().unwrap();
