@@ -205,6 +205,25 @@ fn status_draws_rows_per_split_and_label_gains_and_arrivals() {
     ]);
     assert_eq!(o.status.code(), Some(1));
     assert!(!empty.dir.path().join("x.png").exists());
+    // A path that cannot be written, or a name that is not a picture's: the error says which
+    // and why, in words (not the drawing library's internals).
+    let nowhere = world.dir.path().join("no such folder").join("status.png");
+    let not_a_picture = world.dir.path().join("status.txt");
+    for (out, why) in [
+        (&nowhere, "No such file or directory"),
+        (&not_a_picture, "not recognized as an image format"),
+    ] {
+        let o = world.run(&["status", "--png", out.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(&format!("cannot write {}: ", out.display()))
+                && err.contains(why)
+                && !err.contains("Error("),
+            "{err}"
+        );
+        assert!(!out.exists());
+    }
 }
 
 #[test]

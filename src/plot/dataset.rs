@@ -12,7 +12,7 @@
 
 use super::{draw_lines, err, palette, Area, FONT, OUT_OF_WATER};
 use crate::output::read::Columns;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -31,9 +31,7 @@ pub struct Title<'a> {
 }
 
 pub fn write(out: &Path, output_dir: &Path, title: &Title, cols: &Columns) -> Result<()> {
-    super::init_font()?;
-    {
-        let root = BitMapBackend::new(out, (WIDTH, HEIGHT)).into_drawing_area();
+    super::draw_to_file(out, (WIDTH, HEIGHT), |root| {
         root.fill(&WHITE).map_err(err("background"))?;
         let (header, rest) = root.split_vertically(HEADER);
         let (top, bottom) = rest.split_vertically(430);
@@ -42,10 +40,8 @@ pub fn write(out: &Path, output_dir: &Path, title: &Title, cols: &Columns) -> Re
         draw_rows_per_label(&left, cols)?;
         draw_gain(&right, cols)?;
         draw_arrivals(&bottom, cols)?;
-        root.present()
-            .with_context(|| format!("cannot write {}", out.display()))?;
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 fn draw_header(area: &Area, output_dir: &Path, r: &Title, cols: &Columns) -> Result<()> {

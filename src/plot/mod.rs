@@ -23,6 +23,26 @@ static FONT_BYTES: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans.ttf");
 /// The family every text style of the pictures uses.
 pub const FONT: &str = "sans-serif";
 
+/// Draw a `width` x `height` picture with `draw` into memory, then write it to `out` in the
+/// format its extension names (PNG for `.png`): a path that cannot be written or an extension
+/// that is not a picture's fails with what is wrong, and nothing is half drawn in the file.
+pub fn draw_to_file(
+    out: &std::path::Path,
+    (width, height): (u32, u32),
+    draw: impl FnOnce(&Area) -> Result<()>,
+) -> Result<()> {
+    use anyhow::Context;
+    init_font()?;
+    let mut pixels = vec![0u8; width as usize * height as usize * 3];
+    {
+        let root = BitMapBackend::with_buffer(&mut pixels, (width, height)).into_drawing_area();
+        draw(&root)?;
+        root.present().map_err(err("picture"))?;
+    }
+    image::save_buffer(out, &pixels, width, height, image::ColorType::Rgb8)
+        .with_context(|| format!("cannot write {}", out.display()))
+}
+
 /// Register the embedded font with plotters (once per process).
 pub fn init_font() -> Result<()> {
     static DONE: OnceLock<bool> = OnceLock::new();

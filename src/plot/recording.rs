@@ -12,7 +12,7 @@
 use super::{draw_heatmap, draw_lines, err, Area, Heatmap, FONT, OUT_OF_WATER};
 use crate::config::FeatureSettings;
 use crate::inspection::Inspection;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use half::f16;
 use plotters::prelude::*;
 use std::path::Path;
@@ -33,9 +33,7 @@ pub fn write(
     wave: &[f32],
     row: &[f16],
 ) -> Result<()> {
-    super::init_font()?;
-    {
-        let root = BitMapBackend::new(out, (WIDTH, HEIGHT)).into_drawing_area();
+    super::draw_to_file(out, (WIDTH, HEIGHT), |root| {
         root.fill(&WHITE).map_err(err("background"))?;
         let (header, rest) = root.split_vertically(HEADER);
         let (wave_area, rest) = rest.split_vertically(210);
@@ -54,10 +52,8 @@ pub fn write(
                 .map_err(err("frame"))?;
             }
         }
-        root.present()
-            .with_context(|| format!("cannot write {}", out.display()))?;
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 fn draw_header(area: &Area, i: &Inspection) -> Result<()> {
