@@ -309,6 +309,57 @@ print(json.dumps(res))
     serde_json::from_slice(&ok(&o).into_bytes()).unwrap()
 }
 
+/// The state folder removed while the service runs (an operator's clean-up gone wrong): the
+/// service does not go on writing a manifest nobody can open, nor retry that same handle
+/// forever; it restarts its process in place (same PID), rebuilds the manifest from the
+/// outputs as a start does, and takes the recordings that arrive.
+#[test]
+#[serial]
+fn a_state_folder_removed_under_the_running_service_is_rebuilt_from_the_outputs() {
+    let world = World::new(FAST);
+    let rec = world.rec();
+    let mut svc = Service::start(&world);
+    for (i, label) in ["LEAK", "NORMAL"].iter().enumerate() {
+        write_via_rename(
+            &rec,
+            &format!("{label}/S00{i}~R{i}~20250118120530~100.wav"),
+            &clip_wav(label, 910 + i as u64),
+        );
+    }
+    svc.wait("two recordings committed", |s| committed(s) == 2);
+    let before = committed_rows(&world);
+    let pid = svc.pid();
+    std::fs::remove_dir_all(world.state()).unwrap();
+    write_via_rename(
+        &rec,
+        "LEAK/S009~R9~20250118120530~100.wav",
+        &clip_wav("LEAK", 919),
+    );
+    svc.wait("the third recording committed after the restart", |s| {
+        committed(s) == 3
+    });
+    assert!(
+        svc.child.try_wait().unwrap().is_none(),
+        "the service exited; log:\n{}",
+        svc.log()
+    );
+    assert_eq!(svc.pid(), pid);
+    let log = svc.log();
+    assert!(
+        log.contains("was removed or replaced while the service ran")
+            && log.contains("rebuilt it from the"),
+        "{log}"
+    );
+    let after = committed_rows(&world);
+    assert_eq!(after.iter().sum::<u64>(), 3, "{after:?}");
+    assert!(
+        before.iter().zip(&after).all(|(b, a)| a >= b),
+        "rows went away: {before:?} -> {after:?}"
+    );
+    svc.terminate();
+    compare_with_rebuild(&world);
+}
+
 #[test]
 #[serial]
 fn a_lost_state_is_rebuilt_from_the_outputs_and_no_row_moves() {

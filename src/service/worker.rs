@@ -36,15 +36,22 @@ pub(super) struct Fault {
 /// [`crate::output::hdf5::failed_in_this_process`]). What was not committed is lost as in a
 /// kill, and found again by the start's comparison of the tree with the manifest; descriptors
 /// (the writer locks among them) close on exec. Returns only if the exec fails.
-fn reexec() {
+fn reexec(why: &str) {
     use std::os::unix::process::CommandExt;
-    log::warn!(
-        "the disk answers again: restarting the service's process to reopen its HDF5 files (an HDF5 file cannot be reopened safely in a process where writing it failed)"
-    );
+    log::warn!("{why}");
     let e = std::process::Command::new("/proc/self/exe")
         .args(std::env::args_os().skip(1))
         .exec();
     log::error!("cannot restart the process ({e}); reopening in place");
+}
+
+/// The device and inode of a folder, if it is one now.
+fn folder_id(dir: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(dir)
+        .ok()
+        .filter(|m| m.is_dir())
+        .map(|m| (m.dev(), m.ino()))
 }
 
 /// Whether the output and state folders take a small synced write now: a probe file written,
@@ -124,6 +131,11 @@ pub(super) struct Worker {
     /// The next rescan is the start's (see [`crate::engine::reconcile_with`]).
     pub(super) start: bool,
     pub(super) slow: super::slow::SlowBatches,
+    /// The state folder the service started with (device, inode), and when it was last looked
+    /// at: one removed or replaced while the service runs (its manifest and writer locks gone
+    /// with it) is met by a restart of the process (see [`Worker::check_state_folder`]).
+    state_id: Option<(u64, u64)>,
+    state_checked: Instant,
 }
 
 impl Worker {
@@ -139,7 +151,11 @@ impl Worker {
             if !disk_answers(&self.settings) {
                 anyhow::bail!("the output or state folder does not take a synced write yet");
             }
-            reexec();
+            reexec(
+                "the disk answers again: restarting the service's process to reopen its HDF5 \
+                 files (an HDF5 file cannot be reopened safely in a process where writing it \
+                 failed)",
+            );
         }
         if self.engine.is_none() {
             let warm = self
@@ -220,6 +236,7 @@ impl Worker {
     /// does (seconds at a few hundred thousand recordings): recordings that arrive meanwhile are
     /// taken at once. Should it fail, writing is taken as failing still (see `tick`).
     fn retry(&mut self) {
+        self.check_state_folder();
         if let Err(e) = self.open() {
             return self.fail(e);
         }
@@ -511,7 +528,10 @@ impl Worker {
             listed,
             start: true,
             slow: Default::default(),
+            state_id: None,
+            state_checked: Instant::now(),
         };
+        w.state_id = folder_id(&w.settings.paths.state);
         match engine {
             Ok(e) => {
                 crate::metrics::outputs_open(true);
@@ -626,6 +646,9 @@ impl Worker {
         if self.in_flight() > 0 {
             // Never block on the engine here: new files must be taken at once.
             return;
+        }
+        if self.state_checked.elapsed() >= STATE_CHECK_EVERY {
+            self.check_state_folder();
         }
         if self.dirty {
             self.snapshot();
@@ -881,6 +904,40 @@ impl Worker {
         self.last_snapshot = Instant::now();
     }
 
+    /// A state folder removed or replaced while the service runs took the manifest and the
+    /// writer locks with it: the open manifest writes to files nobody can open again, and
+    /// every retry after a failure would reopen that same handle. The process restarts in place
+    /// instead (same PID), as a fresh start it finds the state missing and rebuilds the
+    /// manifest from the outputs, without recomputing features or moving a row
+    /// (docs/operations.md). A state folder that cannot be looked at (a failing disk) is left
+    /// to the usual retries.
+    fn check_state_folder(&mut self) {
+        self.state_checked = Instant::now();
+        let dir = self.settings.paths.state.clone();
+        let gone = match std::fs::metadata(&dir) {
+            Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+            Ok(_) => self.state_id.is_some() && folder_id(&dir) != self.state_id,
+        };
+        if !gone {
+            return;
+        }
+        if self.fault.is_none() {
+            // Nothing in flight (idle): close the outputs cleanly first.
+            self.end_reconcile();
+            if let Some(engine) = self.engine.take() {
+                if let Err(e) = engine.finish() {
+                    log::debug!("closing before the restart: {e:#}");
+                }
+            }
+        }
+        reexec(&format!(
+            "the state folder {} was removed or replaced while the service ran: restarting \
+             the service's process, which rebuilds the manifest from the outputs (no feature \
+             recomputed, no row moved)",
+            dir.display()
+        ));
+    }
+
     /// Snapshot at most every 2 s, and never more than ~10% of the time.
     fn snapshot_if_due(&mut self) {
         if self.dirty
@@ -892,6 +949,9 @@ impl Worker {
         }
     }
 }
+
+/// How often an idle service looks at whether its state folder is still the one it started with.
+const STATE_CHECK_EVERY: Duration = Duration::from_secs(5);
 
 /// The calling thread runs only when nothing else wants the CPU (`SCHED_IDLE`; where that is
 /// refused, nice 19): a rescan must not take time from recordings that wait.
