@@ -96,6 +96,35 @@ fn bad_usage_exits_2() {
     assert_eq!(o.status.code(), Some(2));
 }
 
+/// A symbolic link to a folder is not followed (as a link named `*.wav` is not), and says so:
+/// the recordings behind it are not skipped in silence.
+#[test]
+fn a_linked_folder_is_not_followed_and_said() {
+    let world = World::new("");
+    let elsewhere = world.dir.path().join("elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    copy_fixture(
+        "tone_pcm16",
+        &elsewhere.join("S001~R1~20250118120530~100.wav"),
+    );
+    copy_fixture(
+        "leak_pcm16",
+        &world.rec().join("LEAK/S002~R2~20250118120530~100.wav"),
+    );
+    std::os::unix::fs::symlink(&elsewhere, world.rec().join("NORMAL")).unwrap();
+    let o = world.run(&["rebuild", "--device", "cpu"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "{}: a symbolic link to a folder, not followed",
+            world.rec().join("NORMAL").display()
+        )),
+        "{err}"
+    );
+    assert_eq!(world.status_json()["files"]["committed"], 1);
+}
+
 /// `demo` into a folder that cannot be one (a file) or that holds a demo already says which and
 /// why, and writes nothing.
 #[test]

@@ -201,6 +201,15 @@ fn scan_folder(
             continue;
         }
         if !is_wav_name(name.as_encoded_bytes()) {
+            // A link to a folder is not followed either: said, so that the recordings behind
+            // it are not skipped in silence (at each listing: every start and rescan).
+            if file_type.is_symlink() && std::fs::metadata(entry.path()).is_ok_and(|m| m.is_dir()) {
+                log::warn!(
+                    "{}: a symbolic link to a folder, not followed: the recordings under it are \
+                     not ingested (put the folder itself in the tree)",
+                    entry.path().display()
+                );
+            }
             continue;
         }
         if file_type.is_symlink() {
