@@ -45,15 +45,6 @@ fn reexec(why: &str) {
     log::error!("cannot restart the process ({e}); reopening in place");
 }
 
-/// The device and inode of a folder, if it is one now.
-fn folder_id(dir: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(dir)
-        .ok()
-        .filter(|m| m.is_dir())
-        .map(|m| (m.dev(), m.ino()))
-}
-
 /// Whether the output and state folders take a small synced write now: a probe file written,
 /// synced and removed in each.
 fn disk_answers(settings: &Settings) -> bool {
@@ -531,7 +522,7 @@ impl Worker {
             state_id: None,
             state_checked: Instant::now(),
         };
-        w.state_id = folder_id(&w.settings.paths.state);
+        w.state_id = super::folder_id(&w.settings.paths.state);
         match engine {
             Ok(e) => {
                 crate::metrics::outputs_open(true);
@@ -916,7 +907,7 @@ impl Worker {
         let dir = self.settings.paths.state.clone();
         let gone = match std::fs::metadata(&dir) {
             Err(e) => e.kind() == std::io::ErrorKind::NotFound,
-            Ok(_) => self.state_id.is_some() && folder_id(&dir) != self.state_id,
+            Ok(_) => self.state_id.is_some() && super::folder_id(&dir) != self.state_id,
         };
         if !gone {
             return;
