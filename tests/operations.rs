@@ -400,18 +400,12 @@ fn a_taken_metrics_address_is_retried_while_the_service_ingests() {
         committed(s) == 2
     });
     drop(holder);
-    let t = Instant::now();
-    let page = loop {
-        if let Some(page) = get_metrics(port) {
-            break page;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "the endpoint never came up once the address was free; log:\n{}",
-            svc.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let mut page = None;
+    svc.wait_for("the endpoint once the address was free", || {
+        page = get_metrics(port);
+        page.is_some()
+    });
+    let page = page.unwrap();
     assert!(page.starts_with("HTTP/1.1 200"), "{page}");
     assert!(page.contains("ailhd_files_ingested_total 2"), "{page}");
     svc.terminate();

@@ -154,7 +154,6 @@ fn start_writeback(fd: std::os::fd::RawFd, path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Where split `split` (0..3) of each kind lives under an output directory.
 /// A sink closing with rows it never committed drops them: a warning for the live outputs (a
 /// failing disk, a stop in mid-batch), a debug line for a staging output, whose failed rebuild
 /// says so once for all of them.
@@ -171,6 +170,7 @@ pub(crate) fn log_dropped_rows(path: &Path, rows: u64, staged: bool) {
     );
 }
 
+/// Where split `split` (0..3) of each kind lives under an output directory.
 pub fn hdf5_path(output: &Path, names: &crate::config::HdfNames, split: usize) -> PathBuf {
     output.join(names.for_split(split))
 }

@@ -25,7 +25,7 @@ pub const FONT: &str = "sans-serif";
 
 /// Draw a `width` x `height` picture with `draw` into memory, then write it to `out` in the
 /// format its extension names (PNG for `.png`): a path that cannot be written or an extension
-/// that is not a picture's fails with what is wrong, and nothing is half drawn in the file.
+/// that is not a picture's fails with what is wrong, and a drawing that fails writes nothing.
 pub fn draw_to_file(
     out: &std::path::Path,
     (width, height): (u32, u32),

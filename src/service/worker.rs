@@ -489,6 +489,7 @@ impl Worker {
         shared: Arc<Shared>,
     ) -> Worker {
         let labels = settings.labels.names.clone();
+        let state_id = super::folder_id(&settings.paths.state);
         let mut w = Worker {
             device: engine
                 .as_ref()
@@ -519,10 +520,9 @@ impl Worker {
             listed,
             start: true,
             slow: Default::default(),
-            state_id: None,
+            state_id,
             state_checked: Instant::now(),
         };
-        w.state_id = super::folder_id(&w.settings.paths.state);
         match engine {
             Ok(e) => {
                 crate::metrics::outputs_open(true);
@@ -907,7 +907,11 @@ impl Worker {
         let dir = self.settings.paths.state.clone();
         let gone = match std::fs::metadata(&dir) {
             Err(e) => e.kind() == std::io::ErrorKind::NotFound,
-            Ok(_) => self.state_id.is_some() && super::folder_id(&dir) != self.state_id,
+            Ok(m) => {
+                use std::os::unix::fs::MetadataExt;
+                self.state_id
+                    .is_some_and(|id| !m.is_dir() || (m.dev(), m.ino()) != id)
+            }
         };
         if !gone {
             return;
