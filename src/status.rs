@@ -248,13 +248,19 @@ pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
     Ok(r)
 }
 
-/// The report made from the manifest, opened for it and closed again.
+/// The report made from the manifest, opened for it and closed again. Labels are named as the
+/// outputs name them (the list the manifest stored with them), whatever the configuration that
+/// runs `status` says: ids are never renumbered, and the report is kept for the next `status`.
 fn collect_closed(settings: &Settings) -> anyhow::Result<StatusReport> {
     let manifest = Manifest::open(&crate::staging::manifest_dir(settings))?;
-    let appended = manifest.appended_labels()?;
-    let labels =
-        crate::identity::LabelSet::new(&settings.labels.names, &appended, settings.labels.unknown)
-            .names;
+    let labels = match manifest.stored_labels()? {
+        Some(labels) => labels,
+        None => {
+            let appended = manifest.appended_labels()?;
+            let u = settings.labels.unknown;
+            crate::identity::LabelSet::new(&settings.labels.names, &appended, u).names
+        }
+    };
     collect(&manifest, &labels, settings)
 }
 

@@ -295,6 +295,51 @@ fn one_writer_at_a_time() {
     );
 }
 
+/// `status` names each label as the outputs do (their stored label list), whichever
+/// configuration runs it: one whose `labels.names` is shorter or in another order neither
+/// renames the counts nor leaves its names in the report kept for the next `status`.
+#[test]
+fn status_names_labels_as_the_outputs_do_whatever_the_configuration() {
+    let world = World::new("[ingest]\ndevice = \"cpu\"\n");
+    for (i, label) in ["CRACK", "CRACK", "LEAK", "NORMAL"].iter().enumerate() {
+        let dir = world.rec().join(label);
+        std::fs::create_dir_all(&dir).unwrap();
+        let bytes = ailhd::synth::wav_pcm16(&ailhd::synth::clip(label, i as u64, 4096, 10.0), 4096);
+        std::fs::write(dir.join(ailhd::synth::file_name(i, 31)), bytes).unwrap();
+    }
+    ok(&world.run(&["rebuild"]));
+    let per_label = |s: &serde_json::Value| {
+        let mut counts = std::collections::BTreeMap::new();
+        for split in s["splits"].as_object().unwrap().values() {
+            for (name, n) in split["per_label"].as_object().unwrap() {
+                *counts.entry(name.clone()).or_insert(0) += n.as_u64().unwrap();
+            }
+        }
+        counts
+    };
+    let expected: std::collections::BTreeMap<String, u64> = [
+        ("CRACK".to_string(), 2),
+        ("LEAK".to_string(), 1),
+        ("NORMAL".to_string(), 1),
+    ]
+    .into();
+    // Another configuration for the same folders: fewer names, in another order.
+    let other = world.dir.path().join("other.toml");
+    let text = std::fs::read_to_string(&world.config).unwrap()
+        + "[labels]\nnames = [\"NORMAL\", \"BACKGROUND\"]\n";
+    std::fs::write(&other, text).unwrap();
+    let o = std::process::Command::new(bin())
+        .arg("--config")
+        .arg(&other)
+        .args(["status", "--json"])
+        .env_remove("AILHD_CONFIG")
+        .output()
+        .unwrap();
+    let s: serde_json::Value = serde_json::from_slice(ok(&o).as_bytes()).unwrap();
+    assert_eq!(per_label(&s), expected, "{s}");
+    assert_eq!(per_label(&world.status_json()), expected);
+}
+
 /// Every command's `--json` starts with `schema_version`, carries plain units (seconds as
 /// `*_s` numbers, per-split and per-stage figures as objects, files as objects), and names no
 /// field that docs/json.md does not document in that command's section; `status` of a

@@ -438,6 +438,17 @@ impl Manifest {
         Ok(true)
     }
 
+    /// The whole label list the outputs were written with (their `labels_json`), in id order;
+    /// None for a manifest that never stored it.
+    pub fn stored_labels(&self) -> Result<Option<Vec<String>>, ManifestError> {
+        self.get_meta("labels")?
+            .map(|s| {
+                serde_json::from_str(&s)
+                    .map_err(|e| self.corrupt("meta/labels".into(), e.to_string()))
+            })
+            .transpose()
+    }
+
     /// Labels appended under `labels.unknown = "append"`, in id order after `labels.names`.
     pub fn appended_labels(&self) -> Result<Vec<String>, ManifestError> {
         Ok(self
