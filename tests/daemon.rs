@@ -689,6 +689,133 @@ fn status_lists_a_recording_being_written_until_it_is_committed() {
     svc.terminate();
 }
 
+/// A recorder that writes a consistent header and the file's whole length first, then fills in
+/// its samples a block at a time with pauses longer than the settle window, keeps the file open
+/// until the last block: between its writes the file looks complete (its size stable, its
+/// header consistent). Nothing of it is ingested before its close; after it, exactly one row.
+#[test]
+#[serial]
+fn a_recording_held_open_by_its_writer_is_ingested_once_it_is_closed() {
+    use std::io::{Seek, SeekFrom};
+    let world = World::new(
+        "[ingest]\nsettle_ms = 100\nquarantine_after_s = 60\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n",
+    );
+    let rel = "LEAK/S001~R7~20250118120530~100.wav";
+    let dst = world.rec().join(rel);
+    // The label folder is there before (as on an acquisition host): the writer's every event
+    // is seen. (A file written in a folder made a moment before is found by the folder's walk,
+    // with no event to say a writer holds it: docs/design.md.)
+    std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+    let svc = Service::start(&world);
+    let bytes = clip_wav("LEAK", 907);
+    let mut f = std::fs::File::create(&dst).unwrap();
+    const HEADER: usize = 44;
+    f.write_all(&bytes[..HEADER]).unwrap();
+    f.write_all(&vec![0u8; bytes.len() - HEADER]).unwrap();
+    f.flush().unwrap();
+    let blocks = 4;
+    let block = (bytes.len() - HEADER).div_ceil(blocks);
+    for k in 0..blocks {
+        // Three settle windows of quiet: the old rule took the file after two.
+        std::thread::sleep(Duration::from_millis(350));
+        let snap = svc.snapshot().unwrap_or_default();
+        assert_eq!(committed(&snap), 0, "ingested while held open: {snap}");
+        let pending = snap["service"]["pending"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if let Some(p) = pending.first() {
+            assert!(
+                p["why"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("waiting for its writer to close it"),
+                "{snap}"
+            );
+        }
+        let start = HEADER + k * block;
+        let end = (start + block).min(bytes.len());
+        f.seek(SeekFrom::Start(start as u64)).unwrap();
+        f.write_all(&bytes[start..end]).unwrap();
+        f.flush().unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(350));
+    assert_eq!(
+        committed_rows(&world).iter().sum::<u64>(),
+        0,
+        "a row was made of the file while its writer held it open; log:\n{}",
+        svc.log()
+    );
+    drop(f);
+    svc.wait("the closed recording committed", |s| committed(s) == 1);
+    assert_eq!(
+        committed_rows(&world).iter().sum::<u64>(),
+        1,
+        "exactly one row, of the whole recording"
+    );
+    svc.terminate();
+}
+
+/// A file closed after writing whose header says it is truncated is as complete as its writer
+/// made it: quarantined at once (within a second or two), with the decoder's reason, as
+/// `rebuild` quarantines it; not left pending for `quarantine_after_s`.
+#[test]
+#[serial]
+fn a_closed_truncated_recording_is_quarantined_at_once() {
+    let world = World::new(
+        "[ingest]\nsettle_ms = 100\nquarantine_after_s = 60\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n",
+    );
+    let svc = Service::start(&world);
+    let rel = "LEAK/S001~R8~20250118120530~100.wav";
+    let bytes = clip_wav("LEAK", 908);
+    let dst = world.rec().join(rel);
+    std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+    std::fs::write(&dst, &bytes[..30_000]).unwrap();
+    let t = Instant::now();
+    svc.wait_for_within(
+        "the truncated recording quarantined",
+        Duration::from_secs(10),
+        || {
+            svc.snapshot()
+                .is_some_and(|s| quarantined(&s).contains_key(rel))
+        },
+    );
+    let snap = svc.snapshot().unwrap();
+    let reason = &quarantined(&snap)[rel];
+    assert!(reason.contains("truncated"), "{reason}");
+    assert!(t.elapsed() < Duration::from_secs(10));
+    assert_eq!(committed(&snap), 0, "{snap}");
+    svc.terminate();
+}
+
+/// A recording quarantined because its label folder is not in `labels.names` is taken up at the
+/// next start once the configuration allows it, as its reason advises: no rebuild is needed.
+#[test]
+#[serial]
+fn a_recording_quarantined_for_its_label_is_taken_once_a_restart_allows_it() {
+    let world = World::new(FAST);
+    let rel = "ODDLABEL/S001~R9~20250118120530~100.wav";
+    write_via_rename(&world.rec(), rel, &clip_wav("LEAK", 909));
+    let svc = Service::start(&world);
+    svc.wait("the recording quarantined for its label", |s| {
+        quarantined(s)
+            .get(rel)
+            .is_some_and(|r| r.contains("labels.names"))
+    });
+    svc.terminate();
+    // The operator follows the advice, and restarts the service.
+    let text = std::fs::read_to_string(&world.config)
+        .unwrap()
+        .replace("[ingest]", "[labels]\nunknown = \"append\"\n[ingest]");
+    std::fs::write(&world.config, text).unwrap();
+    let svc = Service::start(&world);
+    let s = svc.wait("the recording committed under its appended label", |s| {
+        committed(s) == 1 && quarantined(s).is_empty()
+    });
+    assert_eq!(committed_rows(&world).iter().sum::<u64>(), 1, "{s}");
+    svc.terminate();
+}
+
 /// Idle for `idle_close_s` while a rescan runs, the service does not wait for the rescan to
 /// close its files: a recording that arrives meanwhile is committed at once.
 #[test]

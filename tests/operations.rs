@@ -252,6 +252,16 @@ fn reload_reports_accepted_and_refused_configurations_through_its_exit_status() 
             .unwrap();
     assert_eq!(r["generation"], 2);
     assert_eq!(r["accepted"], false);
+    // A changed feature setting cannot change live: refused whole (nothing applied), not
+    // answered "reloaded", and it says what to do.
+    std::fs::write(&world.config, format!("{good}[features]\nn_mels = 32\n")).unwrap();
+    let o = world.run(&["reload", "--pid", &pid]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("[features]") && stderr(&o).contains("restart"),
+        "{}",
+        stderr(&o)
+    );
     // Still running, and a good configuration is accepted again.
     std::fs::write(&world.config, &good).unwrap();
     ok(&world.run(&["reload", "--pid", &pid]));

@@ -79,10 +79,11 @@ pub enum Reason {
     ChangedWhileRead,
     Decode(DecodeError),
     Placement(PlacementError),
-    /// Still not complete `after_s` after its last change; `detail` is what the header said.
+    /// Still not complete `after_s` after its last change; `detail` says how (what the header
+    /// said, or that a writer still holds it open).
     StillIncomplete {
         after_s: u64,
-        detail: DecodeError,
+        detail: crate::source::settle::Incomplete,
     },
     /// ailhd stopped (crashed, aborted, was killed) while reading this file, `deaths` times in a
     /// row, the last time while reading it alone (see [`crate::engine::inflight`]).
@@ -92,6 +93,10 @@ pub enum Reason {
     /// Recorded by an older version of ailhd (text only).
     Recorded(StoredReason),
 }
+
+/// [`Reason::kind`] of [`Reason::Placement`]: a reason that depends on the configuration (the
+/// label list, `outputs.path_bytes`, the split folders), so a start takes such files up again.
+pub const PLACEMENT: &str = "placement";
 
 /// [`Reason::kind`] of [`Reason::StoppedWhileReading`].
 pub const STOPPED_WHILE_READING: &str = "stopped_while_reading";
@@ -106,7 +111,7 @@ impl Reason {
             Reason::ChangedWhileRead => "changed_while_read",
             Reason::Decode(e) if e.is_incomplete() => "truncated",
             Reason::Decode(_) => "decode",
-            Reason::Placement(_) => "placement",
+            Reason::Placement(_) => PLACEMENT,
             Reason::StillIncomplete { .. } => "incomplete",
             Reason::StoppedWhileReading { .. } => STOPPED_WHILE_READING,
             Reason::Recorded(r) => &r.kind,

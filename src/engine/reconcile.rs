@@ -156,7 +156,7 @@ pub fn reconcile_with(
         emit,
     });
     let threads = if start { threads_for(found.len()) } else { 1 };
-    let (known, unlisted) = new_paths(manifest, &found, threads, &out)?;
+    let (known, unlisted) = new_paths(manifest, &found, threads, start, &out)?;
     lock(&out).flush(true);
     crate::pace::go_on()?;
     log::debug!(
@@ -239,6 +239,7 @@ fn new_paths(
     manifest: &Manifest,
     found: &crate::source::Listing,
     threads: usize,
+    start: bool,
     out: &Mutex<Emitter>,
 ) -> anyhow::Result<(Known, Vec<String>)> {
     let mut parts: Vec<_> = ranges(found.len(), threads)
@@ -259,7 +260,7 @@ fn new_paths(
                 let to = (j + 1 < parts.len()).then(|| found.rel(range.end));
                 let range = range.clone();
                 scope.spawn(crate::pace::with_this_gate(move || {
-                    new_paths_in(manifest, found, range, from, to, out)
+                    new_paths_in(manifest, found, range, (from, to), start, out)
                 }))
             })
             .collect();
@@ -278,12 +279,16 @@ fn new_paths(
 }
 
 /// [`new_paths`] over `found[range]` and the records from `from` (included) to `to` (excluded).
+/// At a `start`, a recording quarantined for where it lies (a label folder not in
+/// `labels.names`, a path longer than `outputs.path_bytes`, a folder not mapped to a split) is
+/// taken up again, as changed: the configuration it was judged by may have changed since, as
+/// its reason advises.
 fn new_paths_in(
     manifest: &Manifest,
     found: &crate::source::Listing,
     range: std::ops::Range<usize>,
-    from: Option<&str>,
-    to: Option<&str>,
+    (from, to): (Option<&str>, Option<&str>),
+    start: bool,
     out: &Mutex<Emitter>,
 ) -> anyhow::Result<(Known, Vec<String>)> {
     let mut known: Known = Vec::new();
@@ -308,6 +313,15 @@ fn new_paths_in(
         }
         match (item, record) {
             (Item::Recording(rel), None) => lock(out).push(|p| p.changed.push(rel.to_string())),
+            (Item::Recording(rel), Some(rec))
+                if start
+                    && rec
+                        .quarantine
+                        .as_ref()
+                        .is_some_and(|q| q.kind == crate::engine::outcome::PLACEMENT) =>
+            {
+                lock(out).push(|p| p.changed.push(rel.to_string()))
+            }
             (Item::Recording(_), Some(rec)) => {
                 known.push((i as u32, rec.size, rec.mtime_ns));
             }
@@ -547,7 +561,7 @@ mod tests {
                 emit: &mut emit,
             });
             let (mut known, mut unlisted) =
-                new_paths(engine.manifest(), &found, threads, &out).unwrap();
+                new_paths(engine.manifest(), &found, threads, true, &out).unwrap();
             changed_or_gone(root, &found, known.clone(), threads, &out);
             lock(&out).flush(true);
             drop(out);

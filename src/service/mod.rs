@@ -321,17 +321,32 @@ impl EventLoop {
             }
         };
         let s = &self.settings;
-        if new.paths != s.paths
-            || new.features != s.features
-            || new.labels != s.labels
-            || new.splits != s.splits
-            || new.outputs != s.outputs
-            || new.gpu != s.gpu
-        {
-            log::warn!("reload: only [ingest] settings change live; paths, labels, splits, features, outputs and gpu need a restart (and features a rebuild)");
+        let fixed: Vec<&str> = [
+            ("paths", new.paths != s.paths),
+            ("labels", new.labels != s.labels),
+            ("splits", new.splits != s.splits),
+            ("features", new.features != s.features),
+            ("outputs", new.outputs != s.outputs),
+            ("gpu", new.gpu != s.gpu),
+        ]
+        .into_iter()
+        .filter_map(|(section, changed)| changed.then_some(section))
+        .collect();
+        if !fixed.is_empty() {
+            // Applying only the [ingest] part would answer "reloaded" for a configuration that
+            // is not in force: refuse it whole, and say what to do.
+            let why = format!(
+                "only [ingest] settings change live, and [{}] changed: nothing was applied; restart the service to apply them (a changed [features] setting also needs `ailhd rebuild`)",
+                fixed.join("], [")
+            );
+            log::error!("reload refused, keeping the running configuration: {why}");
+            crate::reload::record(&self.settings, false, &why);
+            return;
         }
-        self.settler = new_settler(&new);
-        self.send(Work::Rescan); // what was settling is picked up again by the rescan
+        self.settler.set_windows(
+            Duration::from_millis(new.ingest.settle_ms),
+            Duration::from_secs(new.ingest.quarantine_after_s),
+        );
         self.settings.ingest = new.ingest.clone();
         // For the manifest opened next (after an idle close, say).
         crate::engine::manifest::set_cache_mb(self.settings.ingest.manifest_cache_mb);
@@ -349,7 +364,7 @@ impl EventLoop {
                         self.strong_at.insert(path.clone(), Instant::now());
                         self.shared.arrived();
                     }
-                    self.settler.note(&path, kind.is_strong(), Instant::now());
+                    self.settler.note(&path, kind.touch(), Instant::now());
                 }
                 // A link or a non-UTF-8 name: quarantined at once.
                 Some(Found::Rejected { rel, reason }) => self.observe(Observation::Rejected {
@@ -369,6 +384,8 @@ impl EventLoop {
             WatchEvent::RemovedDir(path) => self.observe(Observation::FolderGone(lossy(&path))),
             WatchEvent::Rescan { reason } => {
                 log::warn!("rescanning the whole tree: {reason}");
+                // A close may have been among the events lost.
+                self.settler.events_lost();
                 self.send(Work::Rescan);
             }
             // A file that could not be read, given a permission now perhaps: read it at once.

@@ -5,12 +5,20 @@
 //!
 //! The rule, per file:
 //!
-//! - a *weak* touch (created, written, found by a directory walk) starts a settle window: the
+//! - a *written* touch (IN_MODIFY: data went in through a descriptor open for writing) means a
+//!   writer holds the file: it is not ready, however long it stays unchanged, until a close after
+//!   writing (or a move into place) is seen. A recorder that writes a consistent header and then
+//!   fills in its samples, or rewrites the header after every block, looks complete between its
+//!   writes; only its close says it is done. If no close comes within `quarantine_after` of the
+//!   last write, the file is quarantined ("a writer still holds it open"). When events may have
+//!   been lost ([`Settler::events_lost`]: a queue overflow), what was known of open writers is
+//!   dropped and the weak rule below applies.
+//! - a *weak* touch (created, or found by a directory walk) starts a settle window: the
 //!   file is probed once `settle` after the last touch to take a baseline `(size, mtime)`, and is
 //!   ready when a probe at least `settle` later sees the same baseline, with no touch in between,
 //!   and the header is consistent. So a weakly touched file is ready `2 * settle` after its last
 //!   touch at the earliest. The second probe guards writers whose writes raise no inotify event
-//!   (mmap, network filesystems).
+//!   (network filesystems), and files that arrive without a write (a hard link).
 //! - a *strong* touch (closed after writing, moved into place) lets the file go on the first probe
 //!   whose header is consistent, without waiting. We still probe, never trust the event alone.
 //!   A writer that closes, reopens and appends raises new events, so the file is touched again,
@@ -20,10 +28,12 @@
 //!   fixed by waiting: such a file goes like a consistent one, and the engine quarantines it
 //!   with the decoder's reason, at once for a closed file.
 //! - a header that says "still being written" (placeholder sizes, truncated) keeps the file
-//!   waiting and listed as pending,
-//!   re-probed with a backoff; if it stays so for `quarantine_after` since its last change (a
-//!   touch, or a probe that saw a new size or mtime), the file is quarantined with the header's
-//!   reason.
+//!   waiting and listed as pending, re-probed with a backoff. A closed file (strong touch) that
+//!   still says so a settle window after its close is as complete as its writer made it: it goes
+//!   on, and the engine quarantines it with the decoder's reason (as `rebuild` does), within a
+//!   second. Any other file that stays so for `quarantine_after` since its last change (a touch,
+//!   a probe that saw a new size or mtime, or for a listed file its mtime) is quarantined with
+//!   the header's reason.
 //! - a file that has disappeared is dropped silently: its removal is the watcher's news.
 
 use crate::decode::DecodeError;
@@ -65,13 +75,45 @@ pub enum Settled {
         size: u64,
         mtime: SystemTime,
     },
-    /// Still incomplete `quarantine_after` after its last change; `detail` is the header's
-    /// verdict.
+    /// Still incomplete `quarantine_after` after its last change; `detail` says how.
     Quarantine {
         path: PathBuf,
         after_s: u64,
-        detail: DecodeError,
+        detail: Incomplete,
     },
+}
+
+/// Why a file is not complete yet.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Incomplete {
+    /// Its header says it is still being written ([`DecodeError::is_incomplete`]).
+    Header(DecodeError),
+    /// It was written and no close followed: a writer still holds it open.
+    Open,
+}
+
+impl std::fmt::Display for Incomplete {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Incomplete::Header(e) => write!(f, "{e}"),
+            Incomplete::Open => write!(
+                f,
+                "written and never closed: a writer still holds it open (it is ingested once \
+                 closed)"
+            ),
+        }
+    }
+}
+
+/// How a file was touched, as the settle stage weighs it (see the module's rules).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Touch {
+    /// Created, or listed in a folder that appeared: nothing says whether a writer holds it.
+    Weak,
+    /// Written through a descriptor open for writing: complete only once closed.
+    Written,
+    /// Closed after writing, or moved into place.
+    Closed,
 }
 
 /// Tracks files that were touched and are not yet complete. Paths are opaque keys: whatever the
@@ -94,6 +136,11 @@ struct Pending {
     /// The latest touch was a close-after-write or a move into place, and no unexplained change
     /// was seen since: the file may go without the settle window.
     strong: bool,
+    /// Written since its last close (a writer holds it): not ready until a close is seen.
+    open: bool,
+    /// When the latest strong touch came, while `strong` holds: a header still incomplete a
+    /// settle window later is as complete as its writer made it.
+    closed_at: Option<Instant>,
     /// Starts the quarantine clock again: the latest touch, or the latest probe that saw a new
     /// size or mtime. A file that keeps changing is being written, not stuck.
     last_change: Instant,
@@ -106,8 +153,8 @@ struct Pending {
     recheck: Duration,
     /// When this file was first touched since it was last decided (for `status`).
     since: SystemTime,
-    /// What the latest probe's header said, when it says "still being written".
-    waiting_for: Option<DecodeError>,
+    /// What the latest probe found still incomplete, if anything.
+    waiting_for: Option<Incomplete>,
     /// Listed, not touched ([`Settler::found`]): the wall-clock time of the listing, against
     /// which the first probe's mtime may stand for a baseline taken earlier.
     found_at: Option<(Instant, SystemTime)>,
@@ -143,10 +190,19 @@ impl Settler {
         }
     }
 
-    /// Records that `path` was touched at `now`. `strong`: closed after writing or moved into
-    /// place. A weak touch after a strong one cancels the fast path (the writer came back).
-    pub fn note(&mut self, path: &Path, strong: bool, now: Instant) {
+    /// New windows (a reload of `ingest.settle_ms`, `ingest.quarantine_after_s`), from the next
+    /// probe of each pending file on; what is known of each file is kept (a writer that holds
+    /// one open still does).
+    pub fn set_windows(&mut self, settle: Duration, quarantine_after: Duration) {
+        self.settle = settle;
+        self.quarantine_after = quarantine_after;
+    }
+
+    /// Records that `path` was touched at `now` (see [`Touch`]). A weak or written touch after a
+    /// strong one cancels the fast path (the writer came back).
+    pub fn note(&mut self, path: &Path, touch: Touch, now: Instant) {
         self.changes += 1;
+        let strong = touch == Touch::Closed;
         let due = if strong { now } else { now + self.settle };
         let first_recheck = self.settle.max(MIN_RECHECK);
         let entry = self
@@ -154,6 +210,8 @@ impl Settler {
             .entry(path.to_path_buf())
             .or_insert_with(|| Pending {
                 strong,
+                open: false,
+                closed_at: None,
                 last_change: now,
                 baseline: None,
                 due,
@@ -163,11 +221,23 @@ impl Settler {
                 found_at: None,
             });
         entry.strong = strong;
+        // A creation is a new file at this path: what was known of the old one's writer goes.
+        entry.open = touch == Touch::Written;
+        entry.closed_at = strong.then_some(now);
         entry.found_at = None;
         entry.last_change = now;
         entry.baseline = None;
         entry.recheck = first_recheck;
         reschedule(&mut self.schedule, path, entry, due);
+    }
+
+    /// Events may have been lost (the watcher's queue overflowed): a close may have gone
+    /// unseen, so no pending file is taken as held open any more; the weak rule applies to them.
+    pub fn events_lost(&mut self) {
+        for entry in self.pending.values_mut().filter(|e| e.open) {
+            entry.open = false;
+            self.changes += 1;
+        }
     }
 
     /// Records that a listing (the comparison of the tree with the manifest, at start-up or in a
@@ -185,6 +255,8 @@ impl Settler {
         self.changes += 1;
         let entry = Pending {
             strong: false,
+            open: false,
+            closed_at: None,
             last_change: now,
             baseline: None,
             due: now,
@@ -230,22 +302,27 @@ impl Settler {
                         // Changed with no event about it: someone is writing where inotify does
                         // not see it. Whatever a close told us is stale.
                         entry.strong = false;
+                        entry.closed_at = None;
                         entry.last_change = now;
                         entry.recheck = self.settle.max(MIN_RECHECK);
                     }
                     // A listed file's mtime says how long nothing has written it (the listing's
                     // wall clock, moved on by the monotonic time since): that long counts as
-                    // seen stable, up to the whole window.
-                    let stable_for = match entry.found_at.take() {
+                    // seen stable, up to the whole window, and as time since its last change
+                    // (a file found incomplete long after its last write is not waited for
+                    // again at every start), up to `quarantine_after`.
+                    let unchanged_for = match entry.found_at.take() {
                         Some((at, wall)) if previous.is_none() => {
                             let wall_now = wall + now.saturating_duration_since(at);
-                            wall_now
-                                .duration_since(mtime)
-                                .unwrap_or_default()
-                                .min(self.settle)
+                            wall_now.duration_since(mtime).unwrap_or_default()
                         }
                         _ => Duration::ZERO,
                     };
+                    if !unchanged_for.is_zero() {
+                        let since = unchanged_for.min(self.quarantine_after);
+                        entry.last_change = now.checked_sub(since).unwrap_or(entry.last_change);
+                    }
+                    let stable_for = unchanged_for.min(self.settle);
                     let b = Baseline {
                         size,
                         mtime,
@@ -257,15 +334,29 @@ impl Settler {
             };
             // A malformed header will not get better by waiting: the file goes as it is.
             let header = header.or_else(|e| if e.is_incomplete() { Err(e) } else { Ok(()) });
-            let next = match header {
-                Ok(()) if entry.strong || now.duration_since(baseline.at) >= self.settle => {
+            // A closed file still incomplete a settle window after its close: its writer is done
+            // with it, so it goes, and the engine quarantines it with the decoder's reason.
+            let closed_for_a_window = entry.closed_at.map(|at| (at, now >= at + self.settle));
+            let next = match (entry.open, header) {
+                (false, Ok(()))
+                    if entry.strong || now.duration_since(baseline.at) >= self.settle =>
+                {
                     self.pending.remove(&path);
                     decided.push(Settled::Ready { path, size, mtime });
                     continue;
                 }
                 // Consistent but not yet seen stable for the whole window.
-                Ok(()) => (baseline.at + self.settle).max(now + MIN_RECHECK),
-                Err(detail) => {
+                (false, Ok(())) => (baseline.at + self.settle).max(now + MIN_RECHECK),
+                (false, Err(_)) if matches!(closed_for_a_window, Some((_, true))) => {
+                    self.pending.remove(&path);
+                    decided.push(Settled::Ready { path, size, mtime });
+                    continue;
+                }
+                (open, header) => {
+                    let detail = match header {
+                        Err(e) if !open => Incomplete::Header(e),
+                        _ => Incomplete::Open,
+                    };
                     let deadline = entry.last_change + self.quarantine_after;
                     if now >= deadline {
                         self.pending.remove(&path);
@@ -277,7 +368,10 @@ impl Settler {
                         continue;
                     }
                     entry.waiting_for = Some(detail);
-                    let next = (now + entry.recheck).min(deadline);
+                    let mut next = (now + entry.recheck).min(deadline);
+                    if let Some((closed_at, _)) = closed_for_a_window {
+                        next = next.min((closed_at + self.settle).max(now + MIN_RECHECK));
+                    }
                     entry.recheck = (entry.recheck * 2).min(MAX_RECHECK.max(self.settle));
                     next
                 }
@@ -322,9 +416,16 @@ impl Settler {
                     .map(|d| d.as_millis() as i64)
                     .unwrap_or(0),
                 why: match (&p.waiting_for, p.strong) {
-                    (Some(e), _) => format!("header says still being written: {e}"),
-                    (None, true) => "closed; checking the header".into(),
-                    (None, false) => format!(
+                    _ if p.open => {
+                        "being written: waiting for its writer to close it (it is not ingested \
+                         before)"
+                            .into()
+                    }
+                    (Some(Incomplete::Header(e)), _) => {
+                        format!("header says still being written: {e}")
+                    }
+                    (_, true) => "closed; checking the header".into(),
+                    (_, false) => format!(
                         "written recently; waiting for it to close or stay unchanged for {} ms",
                         self.settle.as_millis()
                     ),
@@ -416,7 +517,7 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
         fs.set("a.wav", 100, 1, Ok(()));
-        s.note(Path::new("a.wav"), false, t0);
+        s.note(Path::new("a.wav"), Touch::Weak, t0);
         assert_eq!(s.next_deadline(), Some(t0 + SETTLE));
 
         // Nothing is due before the window ends: no probe at all.
@@ -495,14 +596,14 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
         fs.set("a.wav", 100, 1, Ok(()));
-        s.note(Path::new("a.wav"), false, t0);
+        s.note(Path::new("a.wav"), Touch::Weak, t0);
         s.found(Path::new("a.wav"), t0, wall(100.0));
         assert_eq!(s.next_deadline(), Some(t0 + SETTLE));
         assert!(s.poll(t0 + SETTLE, fs.probe()).is_empty());
         // And a touch after a listing cancels the listing's shortcut.
         s.found(Path::new("b.wav"), t0, wall(100.0));
         fs.set("b.wav", 100, 1, Ok(()));
-        s.note(Path::new("b.wav"), false, t0 + ms(1));
+        s.note(Path::new("b.wav"), Touch::Weak, t0 + ms(1));
         let out = s.poll(t0 + ms(1) + SETTLE, fs.probe());
         assert!(ready_paths(&out).is_empty(), "{out:?}");
     }
@@ -513,8 +614,8 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
         fs.set("a.wav", 100, 1, Ok(()));
-        s.note(Path::new("a.wav"), false, t0);
-        s.note(Path::new("a.wav"), true, t0 + ms(10));
+        s.note(Path::new("a.wav"), Touch::Weak, t0);
+        s.note(Path::new("a.wav"), Touch::Closed, t0 + ms(10));
         assert_eq!(s.next_deadline(), Some(t0 + ms(10)));
         assert_eq!(
             ready_paths(&s.poll(t0 + ms(10), fs.probe())),
@@ -528,7 +629,7 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
         fs.set("a.wav", 44, 1, Err(DecodeError::PlaceholderSizes));
-        s.note(Path::new("a.wav"), true, t0);
+        s.note(Path::new("a.wav"), Touch::Closed, t0);
         assert!(s.poll(t0, fs.probe()).is_empty());
         // The writer fixes the header without an event we saw; size changes too.
         fs.set("a.wav", 81964, 2, Ok(()));
@@ -554,7 +655,7 @@ mod tests {
         );
         fs.set("growing.wav", 44, 1, Err(DecodeError::PlaceholderSizes));
         for p in ["text.wav", "alaw.wav", "growing.wav"] {
-            s.note(Path::new(p), true, t0);
+            s.note(Path::new(p), Touch::Closed, t0);
         }
         let decided = s.poll(t0, fs.probe());
         let mut out = ready_paths(&decided);
@@ -576,8 +677,8 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
         fs.set("a.wav", 100, 1, Ok(()));
-        s.note(Path::new("a.wav"), true, t0);
-        s.note(Path::new("a.wav"), false, t0 + ms(1));
+        s.note(Path::new("a.wav"), Touch::Closed, t0);
+        s.note(Path::new("a.wav"), Touch::Weak, t0 + ms(1));
         assert!(s.poll(t0 + ms(1), fs.probe()).is_empty());
         assert_eq!(s.next_deadline(), Some(t0 + ms(1) + SETTLE));
     }
@@ -589,7 +690,7 @@ mod tests {
         let mut s = Settler::new(SETTLE, QUARANTINE);
         let path = Path::new("LEAK/a.wav");
         fs.set("LEAK/a.wav", 1000, 1, Ok(()));
-        s.note(path, false, t0);
+        s.note(path, Touch::Weak, t0);
         let mut now = t0 + SETTLE;
         assert!(s.poll(now, fs.probe()).is_empty());
         // Grows between every probe (a writer invisible to inotify), header consistent each time.
@@ -616,10 +717,10 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
         fs.set("a.wav", 100, 1, Ok(()));
-        s.note(Path::new("a.wav"), false, t0);
+        s.note(Path::new("a.wav"), Touch::Weak, t0);
         assert!(s.poll(t0 + SETTLE, fs.probe()).is_empty());
         // Touched again just before the confirming probe: the baseline is void.
-        s.note(Path::new("a.wav"), false, t0 + 2 * SETTLE - ms(1));
+        s.note(Path::new("a.wav"), Touch::Weak, t0 + 2 * SETTLE - ms(1));
         assert!(s.poll(t0 + 2 * SETTLE, fs.probe()).is_empty());
         assert_eq!(s.next_deadline(), Some(t0 + 3 * SETTLE - ms(1)));
         assert!(s.poll(t0 + 3 * SETTLE - ms(1), fs.probe()).is_empty());
@@ -633,7 +734,8 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
         fs.set("a.wav", 44, 1, Err(DecodeError::PlaceholderSizes));
-        s.note(Path::new("a.wav"), true, t0);
+        // Created and never closed (no close seen, no write seen: a link, say).
+        s.note(Path::new("a.wav"), Touch::Weak, t0);
         let mut probes = 0;
         loop {
             let now = s.next_deadline().expect("still pending");
@@ -679,7 +781,7 @@ mod tests {
             1,
             Err(DecodeError::TruncatedChunkHeader { file_len: 3 }),
         );
-        s.note(Path::new("a.wav"), false, t0);
+        s.note(Path::new("a.wav"), Touch::Weak, t0);
         // Poll until halfway, then the file grows without an event (probe-observed change).
         let half = t0 + QUARANTINE / 2;
         while s.next_deadline().unwrap() < half {
@@ -703,15 +805,15 @@ mod tests {
         let out = s.poll(changed_at + QUARANTINE, fs.probe());
         assert!(matches!(out.as_slice(), [Settled::Quarantine { .. }]));
 
-        // A touch restarts it as well.
-        s.note(Path::new("a.wav"), true, t0);
+        // A write restarts it as well.
+        s.note(Path::new("a.wav"), Touch::Written, t0);
         let mut now = t0;
         while now < t0 + QUARANTINE / 2 {
             assert!(s.poll(now, fs.probe()).is_empty());
             now = s.next_deadline().unwrap();
         }
         let touched_at = now;
-        s.note(Path::new("a.wav"), false, touched_at);
+        s.note(Path::new("a.wav"), Touch::Written, touched_at);
         while s.next_deadline().unwrap() < touched_at + QUARANTINE {
             let now = s.next_deadline().unwrap();
             assert!(s.poll(now, fs.probe()).is_empty(), "quarantined early");
@@ -725,7 +827,7 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
         fs.set("a.wav", 100, 1, Ok(()));
-        s.note(Path::new("a.wav"), false, t0);
+        s.note(Path::new("a.wav"), Touch::Weak, t0);
         assert!(s.poll(t0 + SETTLE, fs.probe()).is_empty());
         fs.remove("a.wav");
         assert!(s.poll(t0 + 2 * SETTLE, fs.probe()).is_empty());
@@ -737,8 +839,8 @@ mod tests {
     fn forget_stops_tracking() {
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
-        s.note(Path::new("a.wav"), false, t0);
-        s.note(Path::new("b.wav"), false, t0 + ms(50));
+        s.note(Path::new("a.wav"), Touch::Weak, t0);
+        s.note(Path::new("b.wav"), Touch::Weak, t0 + ms(50));
         assert_eq!(s.len(), 2);
         s.forget(Path::new("a.wav"));
         assert_eq!(s.next_deadline(), Some(t0 + ms(50) + SETTLE));
@@ -754,14 +856,14 @@ mod tests {
     fn next_deadline_is_the_earliest_of_many() {
         let t0 = Instant::now();
         let mut s = Settler::new(SETTLE, QUARANTINE);
-        s.note(Path::new("late.wav"), false, t0 + ms(100));
-        s.note(Path::new("early.wav"), false, t0);
+        s.note(Path::new("late.wav"), Touch::Weak, t0 + ms(100));
+        s.note(Path::new("early.wav"), Touch::Weak, t0);
         assert_eq!(s.next_deadline(), Some(t0 + SETTLE));
         // Re-noting moves a file's deadline rather than adding a second one.
-        s.note(Path::new("early.wav"), false, t0 + ms(500));
+        s.note(Path::new("early.wav"), Touch::Weak, t0 + ms(500));
         assert_eq!(s.next_deadline(), Some(t0 + ms(100) + SETTLE));
         assert_eq!(s.len(), 2);
-        s.note(Path::new("strong.wav"), true, t0 + ms(1));
+        s.note(Path::new("strong.wav"), Touch::Closed, t0 + ms(1));
         assert_eq!(s.next_deadline(), Some(t0 + ms(1)));
     }
 
@@ -771,11 +873,145 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Settler::new(Duration::ZERO, Duration::from_secs(1));
         fs.set("a.wav", 44, 1, Err(DecodeError::PlaceholderSizes));
-        s.note(Path::new("a.wav"), false, t0);
+        s.note(Path::new("a.wav"), Touch::Weak, t0);
         assert!(s.poll(t0, fs.probe()).is_empty());
         assert!(s.next_deadline().unwrap() > t0);
         fs.set("b.wav", 100, 1, Ok(()));
-        s.note(Path::new("b.wav"), false, t0);
+        s.note(Path::new("b.wav"), Touch::Weak, t0);
         assert_eq!(ready_paths(&s.poll(t0, fs.probe())), [Path::new("b.wav")]);
+    }
+
+    /// Polls at every deadline up to `until` (included) and returns what was decided.
+    fn poll_until(s: &mut Settler, fs: &FakeFs, until: Instant) -> Vec<Settled> {
+        let mut out = Vec::new();
+        while let Some(due) = s.next_deadline().filter(|d| *d <= until) {
+            out.extend(s.poll(due, fs.probe()));
+        }
+        out
+    }
+
+    #[test]
+    fn a_written_file_waits_for_its_close_however_long_it_looks_complete() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        // A recorder that wrote a consistent header and the file's whole length, and fills in
+        // its samples a block a second: between its writes the file looks complete.
+        fs.set("a.wav", 81964, 1, Ok(()));
+        s.note(Path::new("a.wav"), Touch::Weak, t0);
+        s.note(Path::new("a.wav"), Touch::Written, t0 + ms(1));
+        let out = poll_until(&mut s, &fs, t0 + 50 * SETTLE);
+        assert!(out.is_empty(), "ingested while a writer holds it: {out:?}");
+        let pending = s.pending();
+        assert_eq!(pending.len(), 1);
+        assert!(
+            pending[0]
+                .why
+                .contains("waiting for its writer to close it"),
+            "{}",
+            pending[0].why
+        );
+        // Its close lets it go on the first probe.
+        s.note(Path::new("a.wav"), Touch::Closed, t0 + 50 * SETTLE);
+        assert_eq!(
+            ready_paths(&s.poll(t0 + 50 * SETTLE, fs.probe())),
+            [Path::new("a.wav")]
+        );
+    }
+
+    #[test]
+    fn a_file_written_and_never_closed_is_quarantined_as_held_open() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("a.wav", 81964, 1, Ok(()));
+        s.note(Path::new("a.wav"), Touch::Written, t0);
+        assert!(poll_until(&mut s, &fs, t0 + QUARANTINE - ms(1)).is_empty());
+        match poll_until(&mut s, &fs, t0 + QUARANTINE).as_slice() {
+            [Settled::Quarantine {
+                path,
+                after_s: 300,
+                detail: Incomplete::Open,
+            }] => assert_eq!(path, Path::new("a.wav")),
+            other => panic!("expected a quarantine as held open, got {other:?}"),
+        }
+        assert!(Incomplete::Open.to_string().contains("never closed"));
+    }
+
+    #[test]
+    fn lost_events_drop_what_was_known_of_open_writers() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        fs.set("a.wav", 81964, 1, Ok(()));
+        s.note(Path::new("a.wav"), Touch::Written, t0);
+        assert!(poll_until(&mut s, &fs, t0 + 3 * SETTLE).is_empty());
+        // The queue overflowed: the close may have been among the events lost, so the file
+        // settles by the weak rule (unchanged for a whole window).
+        s.events_lost();
+        let out = poll_until(&mut s, &fs, t0 + 10 * SETTLE);
+        assert_eq!(ready_paths(&out), [Path::new("a.wav")]);
+    }
+
+    #[test]
+    fn a_closed_file_still_truncated_a_window_after_its_close_goes_to_be_quarantined() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        let truncated = DecodeError::Truncated {
+            chunk: crate::decode::ChunkId(*b"data"),
+            declared: 81920,
+            present: 30000,
+        };
+        fs.set("cut.wav", 30044, 1, Err(truncated.clone()));
+        fs.set("fixed.wav", 30044, 1, Err(truncated));
+        s.note(Path::new("cut.wav"), Touch::Closed, t0);
+        s.note(Path::new("fixed.wav"), Touch::Closed, t0);
+        assert!(
+            s.poll(t0, fs.probe()).is_empty(),
+            "a window for a writer to come back"
+        );
+        // One writer reopens at once to finish its file: its touch cancels the close's window.
+        s.note(Path::new("fixed.wav"), Touch::Written, t0 + ms(50));
+        // The other goes a window after its close (the engine quarantines it with the decoder's
+        // reason, as `rebuild` does), not after `quarantine_after`.
+        let out = poll_until(&mut s, &fs, t0 + SETTLE);
+        assert_eq!(ready_paths(&out), [Path::new("cut.wav")]);
+        assert_eq!(s.len(), 1);
+    }
+
+    #[test]
+    fn a_listed_file_incomplete_since_long_before_is_quarantined_at_its_first_probe() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(10_000);
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        // Last written an hour before the listing, and one written a minute before it.
+        fs.set(
+            "old.wav",
+            44,
+            10_000 - 3600,
+            Err(DecodeError::PlaceholderSizes),
+        );
+        fs.set(
+            "young.wav",
+            44,
+            10_000 - 60,
+            Err(DecodeError::PlaceholderSizes),
+        );
+        s.found(Path::new("old.wav"), t0, wall);
+        s.found(Path::new("young.wav"), t0, wall);
+        let out = s.poll(t0, fs.probe());
+        assert!(
+            matches!(out.as_slice(), [Settled::Quarantine { path, .. }] if path == Path::new("old.wav")),
+            "{out:?}"
+        );
+        // The younger one waits out what is left of the time since its mtime.
+        let left = QUARANTINE - Duration::from_secs(60);
+        assert!(poll_until(&mut s, &fs, t0 + left - ms(1)).is_empty());
+        assert!(matches!(
+            poll_until(&mut s, &fs, t0 + left).as_slice(),
+            [Settled::Quarantine { .. }]
+        ));
     }
 }

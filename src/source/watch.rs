@@ -37,8 +37,10 @@ use walkdir::WalkDir;
 /// evidence that the writer is done.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TouchKind {
-    /// Created or written (IN_CREATE, IN_MODIFY): a writer may still hold it open.
-    Modified,
+    /// Created (IN_CREATE): a writer may follow, or none (a hard link).
+    Created,
+    /// Written (IN_MODIFY): a writer holds it open; it is done once a close follows.
+    Written,
     /// Closed after writing (IN_CLOSE_WRITE).
     Closed,
     /// Renamed into place (the target of a rename, IN_MOVED_TO).
@@ -51,6 +53,16 @@ impl TouchKind {
     /// Closed after writing or moved into place.
     pub fn is_strong(self) -> bool {
         matches!(self, TouchKind::Closed | TouchKind::MovedIn)
+    }
+
+    /// How the settle stage weighs it.
+    pub fn touch(self) -> crate::source::settle::Touch {
+        use crate::source::settle::Touch;
+        match self {
+            TouchKind::Created | TouchKind::Found => Touch::Weak,
+            TouchKind::Written => Touch::Written,
+            TouchKind::Closed | TouchKind::MovedIn => Touch::Closed,
+        }
     }
 }
 
@@ -533,9 +545,8 @@ impl Translator {
                 EventKind::Create(CreateKind::Folder) => {
                     self.dir_appeared(abs, rel, TouchKind::Found, emit)
                 }
-                EventKind::Create(_) | EventKind::Modify(ModifyKind::Data(_)) => {
-                    touched(rel, TouchKind::Modified, emit)
-                }
+                EventKind::Create(_) => touched(rel, TouchKind::Created, emit),
+                EventKind::Modify(ModifyKind::Data(_)) => touched(rel, TouchKind::Written, emit),
                 EventKind::Access(AccessKind::Close(AccessMode::Write)) => {
                     touched(rel, TouchKind::Closed, emit)
                 }
@@ -725,11 +736,11 @@ mod tests {
                 &mut tr,
                 ev(EventKind::Create(CreateKind::File), "/r/L/a.wav")
             ),
-            [touch("L/a.wav", TouchKind::Modified)]
+            [touch("L/a.wav", TouchKind::Created)]
         );
         assert_eq!(
             feed(&mut tr, ev(data, "/r/L/a.wav")),
-            [touch("L/a.wav", TouchKind::Modified)]
+            [touch("L/a.wav", TouchKind::Written)]
         );
         assert_eq!(
             feed(&mut tr, ev(close, "/r/L/a.wav")),
