@@ -693,6 +693,9 @@ fn status_lists_a_recording_being_written_until_it_is_committed() {
 /// its samples a block at a time with pauses longer than the settle window, keeps the file open
 /// until the last block: between its writes the file looks complete (its size stable, its
 /// header consistent). Nothing of it is ingested before its close; after it, exactly one row.
+/// Two such recorders: one in a label folder that was there before (its every event is seen),
+/// one in a folder made a moment before the file (the folder's walk finds the file, with no
+/// event to say a writer holds it: the kernel says so).
 #[test]
 #[serial]
 fn a_recording_held_open_by_its_writer_is_ingested_once_it_is_closed() {
@@ -700,31 +703,37 @@ fn a_recording_held_open_by_its_writer_is_ingested_once_it_is_closed() {
     let world = World::new(
         "[ingest]\nsettle_ms = 100\nquarantine_after_s = 60\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n",
     );
-    let rel = "LEAK/S001~R7~20250118120530~100.wav";
-    let dst = world.rec().join(rel);
-    // The label folder is there before (as on an acquisition host): the writer's every event
-    // is seen. (A file written in a folder made a moment before is found by the folder's walk,
-    // with no event to say a writer holds it: docs/design.md.)
-    std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+    let rels = [
+        "LEAK/S001~R7~20250118120530~100.wav",
+        "NORMAL/S002~R7~20250118120530~100.wav",
+    ];
+    std::fs::create_dir_all(world.rec().join("LEAK")).unwrap();
     let svc = Service::start(&world);
-    let bytes = clip_wav("LEAK", 907);
-    let mut f = std::fs::File::create(&dst).unwrap();
+    std::fs::create_dir_all(world.rec().join("NORMAL")).unwrap();
     const HEADER: usize = 44;
-    f.write_all(&bytes[..HEADER]).unwrap();
-    f.write_all(&vec![0u8; bytes.len() - HEADER]).unwrap();
-    f.flush().unwrap();
+    let mut writers: Vec<_> = rels
+        .iter()
+        .enumerate()
+        .map(|(i, rel)| {
+            let bytes = clip_wav(rel.split('/').next().unwrap(), 907 + i as u64);
+            let mut f = std::fs::File::create(world.rec().join(rel)).unwrap();
+            f.write_all(&bytes[..HEADER]).unwrap();
+            f.write_all(&vec![0u8; bytes.len() - HEADER]).unwrap();
+            f.flush().unwrap();
+            (f, bytes)
+        })
+        .collect();
     let blocks = 4;
-    let block = (bytes.len() - HEADER).div_ceil(blocks);
     for k in 0..blocks {
-        // Three settle windows of quiet: the old rule took the file after two.
+        // Three settle windows of quiet: the unchanged-size rule took the files after two.
         std::thread::sleep(Duration::from_millis(350));
         let snap = svc.snapshot().unwrap_or_default();
         assert_eq!(committed(&snap), 0, "ingested while held open: {snap}");
-        let pending = snap["service"]["pending"]
+        for p in snap["service"]["pending"]
             .as_array()
             .cloned()
-            .unwrap_or_default();
-        if let Some(p) = pending.first() {
+            .unwrap_or_default()
+        {
             assert!(
                 p["why"]
                     .as_str()
@@ -733,25 +742,28 @@ fn a_recording_held_open_by_its_writer_is_ingested_once_it_is_closed() {
                 "{snap}"
             );
         }
-        let start = HEADER + k * block;
-        let end = (start + block).min(bytes.len());
-        f.seek(SeekFrom::Start(start as u64)).unwrap();
-        f.write_all(&bytes[start..end]).unwrap();
-        f.flush().unwrap();
+        for (f, bytes) in &mut writers {
+            let block = (bytes.len() - HEADER).div_ceil(blocks);
+            let start = HEADER + k * block;
+            let end = (start + block).min(bytes.len());
+            f.seek(SeekFrom::Start(start as u64)).unwrap();
+            f.write_all(&bytes[start..end]).unwrap();
+            f.flush().unwrap();
+        }
     }
     std::thread::sleep(Duration::from_millis(350));
     assert_eq!(
         committed_rows(&world).iter().sum::<u64>(),
         0,
-        "a row was made of the file while its writer held it open; log:\n{}",
+        "a row was made of a file while its writer held it open; log:\n{}",
         svc.log()
     );
-    drop(f);
-    svc.wait("the closed recording committed", |s| committed(s) == 1);
+    drop(writers);
+    svc.wait("the closed recordings committed", |s| committed(s) == 2);
     assert_eq!(
         committed_rows(&world).iter().sum::<u64>(),
-        1,
-        "exactly one row, of the whole recording"
+        2,
+        "exactly one row each, of the whole recording"
     );
     svc.terminate();
 }

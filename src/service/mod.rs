@@ -61,6 +61,11 @@ fn signal_mask(how: libc::c_int) {
 
 /// Entry point of `ailhd run`: a runtime, the service, and the process signals as shutdown.
 pub fn run(settings: Settings, config_path: Option<PathBuf>) -> anyhow::Result<()> {
+    // The settle stage asks the kernel whether a writer holds a recording by taking a read lease
+    // for an instant (`source::held_for_writing`); a writer opening the file in that instant
+    // makes the kernel send SIGIO, whose default action would end the service.
+    // SAFETY: setting a signal's disposition to "ignore" touches no memory of ours.
+    unsafe { libc::signal(libc::SIGIO, libc::SIG_IGN) };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -239,6 +239,7 @@ pub fn probe(root: &Path, rel: &Path) -> Probe {
                     size: meta.len(),
                     mtime: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
                     header: Ok(()),
+                    held_for_writing: None,
                 },
                 Err(_) => Probe::Missing,
             }
@@ -251,6 +252,34 @@ pub fn probe(root: &Path, rel: &Path) -> Probe {
         size: meta.len(),
         mtime: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
         header: header_of(&file, meta.len()).unwrap_or(Ok(())),
+        held_for_writing: held_for_writing(&file),
+    }
+}
+
+/// Whether a process on this host holds `file` open for writing, where the kernel says so:
+/// Linux refuses a read lease (`F_SETLEASE`, `F_RDLCK`) with EAGAIN while any descriptor open
+/// for writing exists. Some(true) then; Some(false) when the lease was granted (and released at
+/// once); None where leases cannot be taken (another user's file without CAP_LEASE, which the
+/// unit grants; a file system without leases). Only Some(true) is relied on: a writer on another
+/// host of a network file system is not counted, so a granted lease proves nothing.
+///
+/// A writer that opens the file in the microseconds the lease is held waits for its release,
+/// and the kernel signals this process (SIGIO, which `ailhd run` ignores: see
+/// [`crate::service::run`]).
+pub fn held_for_writing(file: &File) -> Option<bool> {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on a descriptor this function borrows; a lease is released before return.
+    match unsafe { libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) } {
+        0 => {
+            // SAFETY: as above.
+            unsafe { libc::fcntl(fd, libc::F_SETLEASE, libc::F_UNLCK) };
+            Some(false)
+        }
+        _ => match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::EAGAIN) => Some(true),
+            _ => None,
+        },
     }
 }
 
@@ -263,6 +292,32 @@ fn header_of(file: &File, len: u64) -> std::io::Result<Result<(), DecodeError>> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kernel_says_whether_a_writer_holds_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.wav");
+        std::fs::write(&path, b"RIFF").unwrap();
+        let read = File::open(&path).unwrap();
+        // Our own file: its lease is ours to take.
+        assert_eq!(held_for_writing(&read), Some(false));
+        let writer = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        assert_eq!(held_for_writing(&read), Some(true));
+        drop(writer);
+        assert_eq!(held_for_writing(&read), Some(false));
+        // A lease taken and released leaves the file to writers at once.
+        let t = std::time::Instant::now();
+        drop(
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(&path)
+                .unwrap(),
+        );
+        assert!(t.elapsed() < std::time::Duration::from_secs(1));
+    }
 
     fn wav(data_len: u32, extra: &[u8]) -> Vec<u8> {
         let mut v = Vec::new();

@@ -61,6 +61,9 @@ pub enum Probe {
         /// `Ok` when the header is consistent with `size`; otherwise the decoder's verdict
         /// ([`DecodeError::is_incomplete`] tells waiting from hopeless).
         header: Result<(), DecodeError>,
+        /// Whether a process holds the file open for writing, where the kernel says
+        /// ([`crate::source::held_for_writing`]); only a yes is acted on.
+        held_for_writing: Option<bool>,
     },
 }
 
@@ -293,7 +296,18 @@ impl Settler {
                     size,
                     mtime,
                     header,
-                } => (size, mtime, header),
+                    held_for_writing,
+                } => {
+                    if held_for_writing == Some(true) {
+                        // A writer the events did not show (it began before the watch on its
+                        // folder, or before the service started), or a second descriptor
+                        // after a close: its close will be seen.
+                        entry.open = true;
+                        entry.strong = false;
+                        entry.closed_at = None;
+                    }
+                    (size, mtime, header)
+                }
             };
             let baseline = match entry.baseline {
                 Some(b) if b.size == size && b.mtime == mtime => b,
@@ -478,12 +492,23 @@ mod tests {
             FakeFs(RefCell::new(HashMap::new()))
         }
         fn set(&self, path: &str, size: u64, mtime_s: u64, header: Result<(), DecodeError>) {
+            self.set_held(path, size, mtime_s, header, None);
+        }
+        fn set_held(
+            &self,
+            path: &str,
+            size: u64,
+            mtime_s: u64,
+            header: Result<(), DecodeError>,
+            held_for_writing: Option<bool>,
+        ) {
             self.0.borrow_mut().insert(
                 PathBuf::from(path),
                 Probe::Present {
                     size,
                     mtime: SystemTime::UNIX_EPOCH + Duration::from_secs(mtime_s),
                     header,
+                    held_for_writing,
                 },
             );
         }
@@ -1013,5 +1038,29 @@ mod tests {
             poll_until(&mut s, &fs, t0 + left).as_slice(),
             [Settled::Quarantine { .. }]
         ));
+    }
+
+    #[test]
+    fn a_listed_file_the_kernel_says_is_held_for_writing_waits_for_its_close() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(10_000);
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        // Found in a folder that appeared with it, unchanged for a minute, its header
+        // consistent: by the weak rule it would go at once. A writer holds it.
+        fs.set_held("a.wav", 81964, 10_000 - 60, Ok(()), Some(true));
+        // Granted leases (Some(false)) prove nothing (a writer on another host of a network
+        // file system is not counted): the weak rule applies.
+        fs.set_held("b.wav", 81964, 10_000 - 60, Ok(()), Some(false));
+        s.found(Path::new("a.wav"), t0, wall);
+        s.found(Path::new("b.wav"), t0, wall);
+        assert_eq!(ready_paths(&s.poll(t0, fs.probe())), [Path::new("b.wav")]);
+        fs.set_held("a.wav", 81964, 10_000 - 60, Ok(()), None);
+        assert!(poll_until(&mut s, &fs, t0 + 20 * SETTLE).is_empty());
+        s.note(Path::new("a.wav"), Touch::Closed, t0 + 20 * SETTLE);
+        assert_eq!(
+            ready_paths(&s.poll(t0 + 20 * SETTLE, fs.probe())),
+            [Path::new("a.wav")]
+        );
     }
 }

@@ -89,10 +89,15 @@ impl CudaFeaturiser {
     ) -> anyhow::Result<Self> {
         let started = std::time::Instant::now();
         let tables = KernelTables::new(settings)?;
-        let missing: Vec<_> = probe_libraries_with(search)
+        let mut missing: Vec<_> = probe_libraries_with(search)
             .into_iter()
             .filter(|l| l.loaded.is_none())
             .collect();
+        // Without the driver, NVRTC and cuFFT were not looked for everywhere (`python3` is not
+        // asked on such a host): only the driver is named, not libraries `doctor` may well find.
+        if missing.iter().any(|l| l.library == "CUDA driver") {
+            missing.retain(|l| l.library == "CUDA driver");
+        }
         if let Some(first) = missing.first() {
             return Err(Unavailable {
                 first: first.short_reason(),
