@@ -143,10 +143,12 @@ fn main() -> ExitCode {
     match dispatch(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // Exit 2 only for what the user must mend; an I/O error (even at start) is a run-time
+            // Exit 2 only for what the user must mend (also a configuration that disagrees with
+            // the outputs: restarting cannot mend it); an I/O error (even at start) is a run-time
             // failure (exit 1), which systemd's Restart=on-failure retries.
             let usage = e.downcast_ref::<UsageError>().is_some()
                 || e.downcast_ref::<ailhd::config::ConfigError>().is_some()
+                || e.downcast_ref::<ailhd::output::SettingsDiffer>().is_some()
                 || matches!(
                     e.downcast_ref::<ailhd::config::PathsError>(),
                     Some(ailhd::config::PathsError::Config(_))
@@ -235,6 +237,7 @@ fn check_config(s: &Settings) -> anyhow::Result<()> {
     for p in ailhd::staging::remove_stale(s)? {
         println!("removed {}, left by an interrupted rebuild", p.display());
     }
+    ailhd::engine::check_outputs(s)?;
     let shape = s.features.shape();
     println!(
         "configuration OK: recordings {}, output {}, state {}; rows of {:?}",
