@@ -63,6 +63,20 @@ fn environment_overrides_and_config_search_order() {
             && !err.contains("configuration file"),
         "{err}"
     );
+    // So is a key that does not exist (the file has no such key).
+    let o = world
+        .cmd(&["check-config"])
+        .env("AILHD_FEATURES__NMELS", "32")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("environment variable AILHD_FEATURES__NMELS: unknown key features.nmels")
+            && err.contains("n_mels")
+            && !err.contains("configuration file"),
+        "{err}"
+    );
     let o = world
         .cmd(&["check-config"])
         .env("AILHD_PATHS__OUTPUT", "/tmp/elsewhere")
