@@ -137,6 +137,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(cli.command, Command::Run) {
         ailhd::service::hold_signals();
+    } else {
+        // A reader that goes away (`ailhd inspect f --json | head -1`) ends the command quietly,
+        // as Unix tools do: Rust ignores SIGPIPE, and every print would then panic with "Broken
+        // pipe". Not for `run`, which writes to sockets (metrics) whose peers may go away.
+        // SAFETY: set once, before any thread is started.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
     let verbosity = if cli.debug { 2 } else { u8::from(cli.verbose) };
     ailhd::logging::init(verbosity, matches!(cli.command, Command::Run));

@@ -98,6 +98,30 @@ fn environment_overrides_and_config_search_order() {
     assert_eq!(o.status.code(), Some(2));
 }
 
+/// A closed stdout (`ailhd completions bash | head -1`) ends the command quietly, as Unix tools
+/// do: no panic, no backtrace.
+#[test]
+fn a_closed_stdout_ends_quietly() {
+    let mut child = std::process::Command::new(bin())
+        .args(["completions", "bash"])
+        .env("RUST_BACKTRACE", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader goes away before the command writes.
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.is_empty(), "{err}");
+    use std::os::unix::process::ExitStatusExt;
+    assert!(
+        o.status.success() || o.status.signal() == Some(libc::SIGPIPE),
+        "{:?}",
+        o.status
+    );
+}
+
 #[test]
 fn bad_usage_exits_2() {
     let o = std::process::Command::new(bin())
