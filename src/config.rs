@@ -567,9 +567,16 @@ impl Gpu {
 
 /// The override a value error came from, when it came from the environment (the `config`
 /// crate's origin for `Environment` is "the environment"): `ingest.workers` is
-/// `AILHD_INGEST__WORKERS`.
-fn from_environment(e: &config::ConfigError) -> Option<ConfigError> {
+/// `AILHD_INGEST__WORKERS`. An unknown key carries no origin: it is the environment's when one
+/// of the `overrides` names it.
+fn from_environment(
+    e: &config::ConfigError,
+    overrides: &config::Map<String, String>,
+) -> Option<ConfigError> {
     const ENVIRONMENT: &str = "the environment";
+    if let Some(unknown) = unknown_override(e, overrides) {
+        return Some(unknown);
+    }
     let (key, message) = match e {
         config::ConfigError::Type {
             origin: Some(origin),
@@ -591,6 +598,50 @@ fn from_environment(e: &config::ConfigError) -> Option<ConfigError> {
     Some(ConfigError::Env {
         var,
         message: format!("{message} (key `{key}`)"),
+    })
+}
+
+/// serde's "unknown field `nmels`, expected one of `sample_rate`, ..." under section `key`
+/// (None: at the top), when an override names that key (`AILHD_FEATURES__NMELS`, or a key
+/// below it): said as the variable's, with the keys that exist there.
+fn unknown_override(
+    e: &config::ConfigError,
+    overrides: &config::Map<String, String>,
+) -> Option<ConfigError> {
+    let (section, message) = match e {
+        config::ConfigError::At {
+            error,
+            key: Some(k),
+            ..
+        } => match error.as_ref() {
+            config::ConfigError::Message(m) => (Some(k.as_str()), m),
+            _ => return None,
+        },
+        config::ConfigError::Message(m) => (None, m),
+        _ => return None,
+    };
+    let (field, rest) = message.strip_prefix("unknown field `")?.split_once('`')?;
+    let key = match section {
+        Some(s) => format!("{s}.{field}"),
+        None => field.to_string(),
+    };
+    // The key an override sets, as the `config` crate reads its name.
+    let key_of = |var: &str| var["AILHD_".len()..].to_lowercase().replace("__", ".");
+    let var = overrides.keys().find(|var| {
+        let k = key_of(var);
+        k == key || k.starts_with(&format!("{key}."))
+    })?;
+    let known = rest
+        .trim_start_matches(", expected one of ")
+        .trim_start_matches(", expected ")
+        .replace('`', "");
+    let known = match section {
+        Some(s) => format!("known keys in [{s}]: {known}"),
+        None => format!("known sections: {known}"),
+    };
+    Some(ConfigError::Env {
+        var: var.clone(),
+        message: format!("unknown key {key}; {known}"),
     })
 }
 
@@ -626,14 +677,14 @@ impl Settings {
             .collect();
         builder = builder.add_source(
             config::Environment::with_prefix("AILHD")
-                .source(Some(overrides))
+                .source(Some(overrides.clone()))
                 .prefix_separator("_")
                 .separator("__")
                 .list_separator(",")
                 .with_list_parse_key("labels.names")
                 .try_parsing(true),
         );
-        let source = |e: config::ConfigError| match (from_environment(&e), &file) {
+        let source = |e: config::ConfigError| match (from_environment(&e, &overrides), &file) {
             (Some(env), _) => env,
             (None, Some((p, _))) => ConfigError::Load {
                 path: p.display().to_string(),

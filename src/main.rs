@@ -137,16 +137,24 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(cli.command, Command::Run) {
         ailhd::service::hold_signals();
+    } else {
+        // A reader that goes away (`ailhd inspect f --json | head -1`) ends the command quietly,
+        // as Unix tools do: Rust ignores SIGPIPE, and every print would then panic with "Broken
+        // pipe". Not for `run`, which writes to sockets (metrics) whose peers may go away.
+        // SAFETY: set once, before any thread is started.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
     let verbosity = if cli.debug { 2 } else { u8::from(cli.verbose) };
     ailhd::logging::init(verbosity, matches!(cli.command, Command::Run));
     match dispatch(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // Exit 2 only for what the user must mend; an I/O error (even at start) is a run-time
+            // Exit 2 only for what the user must mend (also a configuration that disagrees with
+            // the outputs: restarting cannot mend it); an I/O error (even at start) is a run-time
             // failure (exit 1), which systemd's Restart=on-failure retries.
             let usage = e.downcast_ref::<UsageError>().is_some()
                 || e.downcast_ref::<ailhd::config::ConfigError>().is_some()
+                || e.downcast_ref::<ailhd::output::SettingsDiffer>().is_some()
                 || matches!(
                     e.downcast_ref::<ailhd::config::PathsError>(),
                     Some(ailhd::config::PathsError::Config(_))
@@ -235,6 +243,7 @@ fn check_config(s: &Settings) -> anyhow::Result<()> {
     for p in ailhd::staging::remove_stale(s)? {
         println!("removed {}, left by an interrupted rebuild", p.display());
     }
+    ailhd::engine::check_outputs(s)?;
     let shape = s.features.shape();
     println!(
         "configuration OK: recordings {}, output {}, state {}; rows of {:?}",

@@ -63,6 +63,20 @@ fn environment_overrides_and_config_search_order() {
             && !err.contains("configuration file"),
         "{err}"
     );
+    // So is a key that does not exist (the file has no such key).
+    let o = world
+        .cmd(&["check-config"])
+        .env("AILHD_FEATURES__NMELS", "32")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("environment variable AILHD_FEATURES__NMELS: unknown key features.nmels")
+            && err.contains("n_mels")
+            && !err.contains("configuration file"),
+        "{err}"
+    );
     let o = world
         .cmd(&["check-config"])
         .env("AILHD_PATHS__OUTPUT", "/tmp/elsewhere")
@@ -82,6 +96,30 @@ fn environment_overrides_and_config_search_order() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(2));
+}
+
+/// A closed stdout (`ailhd completions bash | head -1`) ends the command quietly, as Unix tools
+/// do: no panic, no backtrace.
+#[test]
+fn a_closed_stdout_ends_quietly() {
+    let mut child = std::process::Command::new(bin())
+        .args(["completions", "bash"])
+        .env("RUST_BACKTRACE", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader goes away before the command writes.
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.is_empty(), "{err}");
+    use std::os::unix::process::ExitStatusExt;
+    assert!(
+        o.status.success() || o.status.signal() == Some(libc::SIGPIPE),
+        "{:?}",
+        o.status
+    );
 }
 
 #[test]

@@ -160,11 +160,12 @@ fn second_writer_and_changed_settings_are_refused() {
     let st = world.status_json();
     assert!(st["writer"].as_str().unwrap().contains("ailhd run"), "{st}");
     svc.terminate();
-    // other feature settings: run refuses and says to rebuild
+    // other feature settings: run refuses and says to rebuild, as a configuration error (exit
+    // 2: systemd does not restart it)
     let text = std::fs::read_to_string(&world.config).unwrap() + "[features]\nn_mels = 32\n";
     std::fs::write(&world.config, text).unwrap();
     let o = world.run(&["run"]);
-    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(o.status.code(), Some(2));
     assert!(
         String::from_utf8_lossy(&o.stderr).contains("rebuild"),
         "{}",

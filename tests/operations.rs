@@ -205,6 +205,78 @@ fn a_killed_rebuild_leaves_no_staging_behind_after_check_config_or_run() {
     assert!(text.contains("left by an interrupted rebuild"), "{text}");
 }
 
+/// `run` with the world's configuration: its exit status and stderr (it must end by itself).
+fn run_exits(world: &World) -> (Option<i32>, String) {
+    let log = world.dir.path().join("run.log");
+    let mut child = world
+        .cmd(&["run"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let status = exit_within(&mut child, Duration::from_secs(60)).expect("run did not end");
+    (status.code(), std::fs::read_to_string(&log).unwrap())
+}
+
+/// A configuration that disagrees with the existing outputs (a feature setting, the order of
+/// `labels.names`) cannot pass by waiting: `run` exits 2 (systemd does not restart it) and
+/// `check-config` says the same, naming the key; from the manifest, from the outputs alone (a
+/// lost state), and while the running service holds the manifest. An output that cannot be
+/// read is not the configuration's fault (exit 1).
+#[test]
+#[serial]
+fn settings_that_disagree_with_the_outputs_are_a_configuration_error() {
+    let world = World::new(FAST);
+    add_recordings(&world, 4);
+    ok(&world.run(&["rebuild", "--device", "cpu"]));
+    let good = std::fs::read_to_string(&world.config).unwrap();
+    let refused = |expect: &[&str]| {
+        let o = world.run(&["check-config"]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "check-config: {err}");
+        assert!(expect.iter().all(|e| err.contains(e)), "{expect:?}: {err}");
+        let (code, err) = run_exits(&world);
+        assert_eq!(code, Some(2), "run: {err}");
+        assert!(expect.iter().all(|e| err.contains(e)), "{expect:?}: {err}");
+    };
+    let n_mels = [
+        "features.n_mels = 32 in the configuration, 64",
+        "ailhd rebuild",
+    ];
+    std::fs::write(&world.config, good.clone() + "[features]\nn_mels = 32\n").unwrap();
+    refused(&n_mels);
+    let reordered =
+        "[labels]\nnames = [\"BACKGROUND\", \"CRACK\", \"NORMAL\", \"LEAK\", \"UNCLASSIFIED\"]\n";
+    std::fs::write(&world.config, good.clone() + reordered).unwrap();
+    refused(&["labels.names changed the ids", "ailhd rebuild"]);
+
+    // While the service runs (it holds the manifest), check-config reads the outputs.
+    std::fs::write(&world.config, &good).unwrap();
+    let svc = Service::start(&world);
+    std::fs::write(&world.config, good.clone() + "[features]\nn_mels = 32\n").unwrap();
+    let o = world.run(&["check-config"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains(n_mels[0]), "{}", stderr(&o));
+    std::fs::write(&world.config, good.clone() + reordered).unwrap();
+    let o = world.run(&["check-config"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("changed the ids"), "{}", stderr(&o));
+    std::fs::write(&world.config, &good).unwrap();
+    svc.terminate();
+    ok(&world.run(&["check-config"]));
+
+    // A lost state: the outputs' own attributes.
+    std::fs::remove_dir_all(world.state()).unwrap();
+    std::fs::write(&world.config, good.clone() + "[features]\nn_mels = 32\n").unwrap();
+    refused(&n_mels);
+
+    // A damaged output is no configuration error.
+    std::fs::write(&world.config, &good).unwrap();
+    std::fs::write(world.out().join("TRAINING_DATASET.H5"), b"not an HDF5 file").unwrap();
+    let o = world.run(&["check-config"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+}
+
 #[test]
 #[serial]
 fn reload_reports_accepted_and_refused_configurations_through_its_exit_status() {

@@ -37,7 +37,7 @@ use crate::features::cuda::DeviceTimes;
 use crate::features::{self, Featuriser};
 use crate::identity::LabelSet;
 use crate::output::set::OutputSet;
-use crate::output::OutputHeader;
+use crate::output::{check_features, check_label_ids, OutputHeader};
 use anyhow::{bail, Context};
 use commit::{Committer, Featurised};
 use crossbeam_channel::{Receiver, Sender};
@@ -185,6 +185,7 @@ impl Engine {
             _ => false,
         };
         if !resume {
+            check_agreement(settings, &manifest)?;
             recover_into(settings, &manifest)?;
         }
         let fingerprint = settings.features.fingerprint();
@@ -892,29 +893,81 @@ fn recover_into(settings: &Settings, manifest: &Manifest) -> anyhow::Result<()> 
 }
 
 /// The outputs were made with these feature settings, and the configured labels keep the ids
-/// they were given.
+/// they were given (`run` at every open, and before a recovery reads the outputs through
+/// [`check_agreement`]; `check-config` through [`check_outputs`]). The rules
+/// are [`check_features`] and [`check_label_ids`], which also check each output file as it is
+/// reopened.
 fn check_compatible(
     settings: &Settings,
     manifest: &Manifest,
     fingerprint: &str,
     labels: &LabelSet,
 ) -> anyhow::Result<()> {
+    let out = &settings.paths.output;
     if let Some(f) = manifest.get_meta("feature_fingerprint")? {
         if f != fingerprint {
-            bail!(
-                "the feature settings changed since the outputs in {} were written: `ailhd run` will not append rows of another kind. Run `ailhd rebuild` to regenerate them with the new settings",
-                settings.paths.output.display()
-            );
+            // The manifest records only the fingerprint: an output file made with it names the
+            // keys that differ (best effort: the refusal stands without it).
+            let made = crate::output::read::made_with(settings).unwrap_or_default();
+            let stored = made.into_iter().find(|m| m.fingerprint == f);
+            let json = stored.and_then(|m| m.config_json);
+            check_features(out, &f, json.as_deref(), &settings.features)?;
         }
     }
     if let Some(stored) = manifest.get_meta("labels")? {
         let stored: Vec<String> = serde_json::from_str(&stored).unwrap_or_default();
-        if labels.names.len() < stored.len() || labels.names[..stored.len()] != stored[..] {
-            bail!(
-                "labels.names changed the ids of existing labels (outputs have {stored:?}, the configuration gives {:?}); ids are never renumbered: restore the order (new names go at the end) or run `ailhd rebuild`",
-                labels.names
-            );
-        }
+        check_label_ids(out, &stored, &labels.names)?;
+    }
+    Ok(())
+}
+
+/// `check-config`: the configuration agrees with the outputs already under `paths.output` and
+/// with their manifest, by the checks `run` makes when it opens them ([`check_agreement`], and
+/// each output file's feature settings as its reopen checks them). A mismatch is a
+/// [`SettingsDiffer`](crate::output::SettingsDiffer); an output or manifest that cannot be read
+/// is an ordinary (run-time) error.
+pub fn check_outputs(settings: &Settings) -> anyhow::Result<()> {
+    let dir = crate::staging::manifest_dir(settings);
+    // A running writer holds the manifest (sled locks it): then the outputs are asked instead,
+    // as for a lost state.
+    if dir.exists() && crate::lock::WriterLock::holder(&settings.paths.state).is_none() {
+        check_agreement(settings, &Manifest::open(&dir)?)?;
+    }
+    check_made_with(settings)
+}
+
+/// Before `run` reads the outputs with the configured settings (a recovery of the manifest
+/// reads their columns), so that a configuration that disagrees with them is refused as such,
+/// not as a damaged output: [`check_compatible`] when the manifest records what the outputs
+/// were made with, else (a new or lost state) [`check_made_with`].
+fn check_agreement(settings: &Settings, manifest: &Manifest) -> anyhow::Result<()> {
+    if manifest.get_meta("labels")?.is_none() {
+        return check_made_with(settings);
+    }
+    let appended = manifest.appended_labels()?;
+    let labels = LabelSet::new(&settings.labels.names, &appended, settings.labels.unknown);
+    check_compatible(
+        settings,
+        manifest,
+        &settings.features.fingerprint(),
+        &labels,
+    )
+}
+
+/// The configuration agrees with the attributes of each output file: its feature settings, and
+/// the ids of its labels (those past the configured ones taken as appended, as a recovery of
+/// the manifest takes them).
+fn check_made_with(settings: &Settings) -> anyhow::Result<()> {
+    let made = crate::output::read::made_with(settings)?;
+    for m in &made {
+        let json = m.config_json.as_deref();
+        check_features(&m.path, &m.fingerprint, json, &settings.features)?;
+        let appended = m
+            .labels
+            .get(settings.labels.names.len()..)
+            .unwrap_or_default();
+        let labels = LabelSet::new(&settings.labels.names, appended, settings.labels.unknown);
+        check_label_ids(&m.path, &m.labels, &labels.names)?;
     }
     Ok(())
 }

@@ -1000,16 +1000,8 @@ fn check_layout(path: &Path, file: &File, header: &OutputHeader) -> Result<Vec<S
     let fingerprint = read_text_attr(file, "feature_fingerprint")
         .map_err(|e| incompatible(path, format_args!("no readable feature_fingerprint ({e})")))?;
     if fingerprint != header.features.fingerprint() {
-        return Err(incompatible(
-            path,
-            format_args!(
-                "its feature settings (fingerprint {fingerprint}, config_json {}) differ from \
-                 the configured ones (fingerprint {}, {})",
-                read_text_attr(file, "config_json").unwrap_or_default(),
-                header.features.fingerprint(),
-                header.features.to_json()
-            ),
-        ));
+        let stored = read_text_attr(file, "config_json").ok();
+        super::check_features(path, &fingerprint, stored.as_deref(), &header.features)?;
     }
     let labels_text = read_text_attr(file, "labels_json")?;
     serde_json::from_str(&labels_text)

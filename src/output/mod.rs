@@ -408,7 +408,6 @@ pub fn header_attributes(header: &OutputHeader) -> Vec<(&'static str, String)> {
     ]
 }
 
-/// The message of every "this output cannot be appended to" error: what differs, and what to do.
 /// A sink's label list only grows (labels appended under `labels.unknown = "append"`): `new`
 /// must extend `current`, since label ids are never renumbered.
 pub fn check_labels_extend(path: &Path, current: &[String], new: &[String]) -> anyhow::Result<()> {
@@ -422,6 +421,7 @@ pub fn check_labels_extend(path: &Path, current: &[String], new: &[String]) -> a
     Ok(())
 }
 
+/// The message of every "this output cannot be appended to" error: what differs, and what to do.
 pub fn incompatible(path: &Path, what: impl std::fmt::Display) -> anyhow::Error {
     anyhow::anyhow!(
         "{}: {what}; this output was made with other settings or another ailhd layout and cannot \
@@ -430,9 +430,120 @@ pub fn incompatible(path: &Path, what: impl std::fmt::Display) -> anyhow::Error 
     )
 }
 
+/// The configuration disagrees with what existing outputs (or their manifest) were made with: a
+/// feature setting, or the order of `labels.names`. Not a condition that may pass: only the
+/// configuration mends it (restore the setting, or `ailhd rebuild`), so it is reported as a
+/// configuration error (exit 2, which systemd does not restart; exit 1 would restart `run`
+/// every few seconds for ever). `run` (the manifest at every open, each output file as it is
+/// reopened) and `check-config` both refuse through [`check_features`] and [`check_label_ids`].
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct SettingsDiffer(String);
+
+/// Outputs recorded with feature settings `stored_fingerprint` (at `path`: a file, or the
+/// manifest's folder) take the rows of the `configured` settings only when the fingerprints are
+/// equal. `stored_json`, the outputs' `config_json` when known, names the keys that differ.
+pub fn check_features(
+    path: &Path,
+    stored_fingerprint: &str,
+    stored_json: Option<&str>,
+    configured: &FeatureSettings,
+) -> Result<(), SettingsDiffer> {
+    let fingerprint = configured.fingerprint();
+    if stored_fingerprint == fingerprint {
+        return Ok(());
+    }
+    let object = |text: &str| {
+        serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(text).unwrap_or_default()
+    };
+    let (configured_json, stored) = (
+        object(&configured.to_json()),
+        object(stored_json.unwrap_or("{}")),
+    );
+    let changed: Vec<String> = configured_json
+        .iter()
+        .filter(|(key, value)| stored.get(*key).is_some_and(|s| s != *value))
+        .map(|(key, value)| {
+            format!(
+                "features.{key} = {value} in the configuration, {} in the outputs",
+                stored[key]
+            )
+        })
+        .collect();
+    let what = if changed.is_empty() {
+        format!("feature fingerprint {fingerprint} in the configuration, {stored_fingerprint} in the outputs")
+    } else {
+        changed.join("; ")
+    };
+    Err(SettingsDiffer(format!(
+        "{}: the configured feature settings differ from those the outputs were made with \
+         ({what}): these outputs cannot be appended to. Restore the setting, or run `ailhd \
+         rebuild` to regenerate the outputs with the new settings",
+        path.display()
+    )))
+}
+
+/// Label ids are positions in the label list and are never renumbered: `names` (the configured
+/// `labels.names` with the labels appended since) must begin with `stored`, the list the outputs
+/// at `path` were made with.
+pub fn check_label_ids(
+    path: &Path,
+    stored: &[String],
+    names: &[String],
+) -> Result<(), SettingsDiffer> {
+    if names.starts_with(stored) {
+        return Ok(());
+    }
+    Err(SettingsDiffer(format!(
+        "{}: labels.names changed the ids of existing labels (the outputs have {stored:?}, the \
+         configuration gives {names:?}); ids are never renumbered: restore the order (new names \
+         go at the end) or run `ailhd rebuild`",
+        path.display()
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_changed_feature_setting_is_named_as_a_configuration_error() {
+        let built = FeatureSettings::default();
+        let p = Path::new("/out/TRAINING_DATASET.H5");
+        let same = check_features(p, &built.fingerprint(), Some(&built.to_json()), &built);
+        assert!(same.is_ok());
+        let configured = FeatureSettings {
+            n_mels: 32,
+            ..built.clone()
+        };
+        let e = check_features(p, &built.fingerprint(), Some(&built.to_json()), &configured)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("/out/TRAINING_DATASET.H5")
+                && e.contains("features.n_mels = 32 in the configuration, 64 in the outputs")
+                && e.contains("ailhd rebuild")
+                && !e.contains("features.power"),
+            "{e}"
+        );
+        // Without the outputs' config_json (the manifest records only the fingerprint).
+        let e = check_features(p, &built.fingerprint(), None, &configured)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&built.fingerprint()), "{e}");
+    }
+
+    #[test]
+    fn label_ids_are_checked_against_the_stored_list() {
+        let l = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let p = Path::new("/out");
+        assert!(check_label_ids(p, &l(&["A", "B"]), &l(&["A", "B", "C"])).is_ok());
+        let e = check_label_ids(p, &l(&["A", "B"]), &l(&["B", "A"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("labels.names changed the ids"), "{e}");
+        assert!(check_label_ids(p, &l(&["A", "B"]), &l(&["A"])).is_err());
+    }
 
     #[test]
     fn a_label_list_may_only_grow_at_its_end() {

@@ -646,19 +646,12 @@ fn read_attributes(dir: &Path, header: &OutputHeader) -> Result<Attributes> {
         .map(|v| v.as_u64().ok_or(format!("{v} is not a version number")))
         .unwrap_or(Err("missing".into()));
     super::check_output_version(&attrs_path, schema)?;
-    let fingerprint = attrs.get("feature_fingerprint").and_then(Value::as_str);
-    if fingerprint != Some(header.features.fingerprint().as_str()) {
-        return Err(incompatible(
-            &attrs_path,
-            format_args!(
-                "its feature settings (fingerprint {}) differ from the configured ones \
-                 (fingerprint {}, {})",
-                fingerprint.unwrap_or("missing"),
-                header.features.fingerprint(),
-                header.features.to_json()
-            ),
-        ));
-    }
+    let fingerprint = attrs
+        .get("feature_fingerprint")
+        .and_then(Value::as_str)
+        .ok_or_else(|| incompatible(&attrs_path, "no feature_fingerprint"))?;
+    let stored = attrs.get("config_json").and_then(Value::as_str);
+    super::check_features(&attrs_path, fingerprint, stored, &header.features)?;
     let labels: Vec<String> = attrs
         .get("labels_json")
         .and_then(Value::as_str)

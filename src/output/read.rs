@@ -102,6 +102,59 @@ pub fn read(settings: &Settings) -> Result<Columns> {
     Ok(cols)
 }
 
+/// What one output file records about how it was made (its attributes).
+#[derive(Debug, Clone)]
+pub struct MadeWith {
+    /// The HDF5 file, or the npy split's `attributes.json`.
+    pub path: PathBuf,
+    pub fingerprint: String,
+    /// The feature settings as JSON (`config_json`), when readable.
+    pub config_json: Option<String>,
+    /// `labels_json`: the label names, position = id.
+    pub labels: Vec<String>,
+}
+
+/// What each existing output file of the enabled kinds under `paths.output` was made with (HDF5
+/// in SWMR mode, so also while `ailhd run` appends; npy from `attributes.json`). A file that
+/// cannot be read is an error (a condition that may pass, or a damaged file; not the
+/// configuration's fault).
+pub fn made_with(settings: &Settings) -> Result<Vec<MadeWith>> {
+    let out = &settings.paths.output;
+    let mut found = Vec::new();
+    for split in 0..SPLITS.len() {
+        let path = crate::output::hdf5_path(out, &settings.outputs.hdf5_names, split);
+        if settings.outputs.hdf5 && path.exists() {
+            let s = SwmrSplit::open(&path)?;
+            let attr = |name| {
+                read_text_attr(&s.file, name)
+                    .with_context(|| format!("{}: reading {name}", path.display()))
+            };
+            found.push(MadeWith {
+                fingerprint: attr("feature_fingerprint")?,
+                config_json: attr("config_json").ok(),
+                labels: s.label_names()?,
+                path,
+            });
+        }
+        let path = crate::output::npy_dir(out, split).join("attributes.json");
+        if settings.outputs.npy && path.exists() {
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            let attrs: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("cannot parse {}", path.display()))?;
+            let text = |name: &str| attrs[name].as_str().map(str::to_string);
+            found.push(MadeWith {
+                fingerprint: text("feature_fingerprint")
+                    .with_context(|| format!("{}: no feature_fingerprint", path.display()))?,
+                config_json: text("config_json"),
+                labels: npy_label_names(path.parent().expect("a file in a folder"))?,
+                path,
+            });
+        }
+    }
+    Ok(found)
+}
+
 /// One split's HDF5 file, open read-only in SWMR mode.
 pub struct SwmrSplit {
     path: PathBuf,
