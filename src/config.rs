@@ -645,6 +645,36 @@ fn unknown_override(
     })
 }
 
+/// `config`'s message for a value that is none of an enum's ("enum SplitMode does not have
+/// variant constructor foo for key `splits.mode`"), with the values the key accepts added.
+fn with_accepted_values(message: String) -> String {
+    /// The values `T` accepts, as serde names them ("\"hash\", \"sensor\", \"directory\"").
+    fn accepted<T: serde::de::DeserializeOwned>() -> Option<String> {
+        let none = serde::de::value::StrDeserializer::<serde::de::value::Error>::new("");
+        let e = T::deserialize(none).err()?.to_string();
+        Some(e.split_once("expected one of ")?.1.replace('`', "\""))
+    }
+    let Some((_, after)) = message.split_once("enum ") else {
+        return message;
+    };
+    let Some((name, _)) = after.split_once(" does not have variant constructor") else {
+        return message;
+    };
+    let values = match name {
+        "SplitMode" => accepted::<SplitMode>(),
+        "DeviceChoice" => accepted::<DeviceChoice>(),
+        "UnknownLabel" => accepted::<UnknownLabel>(),
+        "MelScale" => accepted::<MelScale>(),
+        "MelNorm" => accepted::<MelNorm>(),
+        "DbMode" => accepted::<DbMode>(),
+        _ => None,
+    };
+    match values {
+        Some(values) => format!("{message}; accepted values: {values}"),
+        None => message,
+    }
+}
+
 impl Settings {
     /// Load as the contract says: `explicit` (from `--config`), else `$AILHD_CONFIG`, else
     /// `/etc/ailhd/ailhd.toml` if it exists, else built-in defaults; then `AILHD_<SECTION>__<KEY>`
@@ -688,9 +718,9 @@ impl Settings {
             (Some(env), _) => env,
             (None, Some((p, _))) => ConfigError::Load {
                 path: p.display().to_string(),
-                message: e.to_string(),
+                message: with_accepted_values(e.to_string()),
             },
-            (None, None) => ConfigError::Parse(e.to_string()),
+            (None, None) => ConfigError::Parse(with_accepted_values(e.to_string())),
         };
         let built = builder.build().map_err(source)?;
         let settings: Settings = built.try_deserialize().map_err(source)?;

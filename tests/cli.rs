@@ -31,6 +31,25 @@ fn check_config_accepts_the_shipped_files_and_names_bad_keys() {
     let o = world.run(&["check-config"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("batch_size"));
+
+    // A value that is none of a key's: the key, and the values it accepts.
+    for (toml, key, values) in [
+        (
+            "[splits]\nmode = \"foo\"\n",
+            "splits.mode",
+            "\"hash\", \"sensor\", \"directory\"",
+        ),
+        (
+            "[ingest]\ndevice = \"gpu\"\n",
+            "ingest.device",
+            "\"auto\", \"cpu\", \"cuda\"",
+        ),
+    ] {
+        let o = World::new(toml).run(&["check-config"]);
+        assert_eq!(o.status.code(), Some(2));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(key) && err.contains(values), "{err}");
+    }
 }
 
 #[test]

@@ -287,7 +287,7 @@ impl Settler {
             let Some(entry) = self.pending.get_mut(&path) else {
                 continue;
             };
-            let (size, mtime, header) = match probe(&path) {
+            let (size, mtime, header, no_writer) = match probe(&path) {
                 Probe::Missing => {
                     self.pending.remove(&path);
                     continue;
@@ -306,7 +306,7 @@ impl Settler {
                         entry.strong = false;
                         entry.closed_at = None;
                     }
-                    (size, mtime, header)
+                    (size, mtime, header, held_for_writing == Some(false))
                 }
             };
             let baseline = match entry.baseline {
@@ -348,6 +348,13 @@ impl Settler {
             };
             // A malformed header will not get better by waiting: the file goes as it is.
             let header = header.or_else(|e| if e.is_incomplete() { Err(e) } else { Ok(()) });
+            // Unfinished by its header, and no process here holds it open for writing (a file
+            // closed before its folder's watch was set up, say): taken as closed now. Only to be
+            // quarantined a window later, never to be ingested sooner (a writer on another host
+            // of some network file systems is not counted), and a change starts it over.
+            if no_writer && header.is_err() && !entry.open && entry.closed_at.is_none() {
+                entry.closed_at = Some(now);
+            }
             // A closed file still incomplete a settle window after its close: its writer is done
             // with it, so it goes, and the engine quarantines it with the decoder's reason.
             let closed_for_a_window = entry.closed_at.map(|at| (at, now >= at + self.settle));
@@ -1062,5 +1069,25 @@ mod tests {
             ready_paths(&s.poll(t0 + 20 * SETTLE, fs.probe())),
             [Path::new("a.wav")]
         );
+    }
+
+    #[test]
+    fn an_unfinished_file_no_process_holds_goes_to_be_quarantined_a_window_later() {
+        let fs = FakeFs::new();
+        let t0 = Instant::now();
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(10_000);
+        let mut s = Settler::new(SETTLE, QUARANTINE);
+        // Found (its close came before the watch on its folder), truncated, written a moment
+        // before: no writer holds it, so it is as complete as it will get.
+        let cut = Err(DecodeError::PlaceholderSizes);
+        fs.set_held("cut.wav", 30044, 10_000, cut.clone(), Some(false));
+        // The kernel cannot say for this one: it waits for its header as before.
+        fs.set_held("unknown.wav", 30044, 10_000, cut, None);
+        s.found(Path::new("cut.wav"), t0, wall);
+        s.found(Path::new("unknown.wav"), t0, wall);
+        assert!(s.poll(t0, fs.probe()).is_empty());
+        let out = poll_until(&mut s, &fs, t0 + SETTLE);
+        assert_eq!(ready_paths(&out), [Path::new("cut.wav")]);
+        assert!(poll_until(&mut s, &fs, t0 + 100 * SETTLE).is_empty());
     }
 }
