@@ -760,6 +760,18 @@ impl Settings {
                     format!("`{name}` is not a folder name"),
                 ));
             }
+            // A label folder with spaces around its name is nearly always a list written
+            // "A, B" in AILHD_LABELS__NAMES (names are separated by "," alone, no brackets or
+            // quotes), whose names would then match no folder.
+            if name.trim() != name || name.starts_with(['[', '"']) || name.ends_with([']', '"']) {
+                return Err(invalid(
+                    "labels.names",
+                    format!(
+                        "`{name}` has spaces, brackets or quotes around it (in \
+                         AILHD_LABELS__NAMES, separate the names with \",\" alone: A,B,C)"
+                    ),
+                ));
+            }
             if !seen.insert(name) {
                 return Err(invalid("labels.names", format!("`{name}` is listed twice")));
             }

@@ -188,6 +188,16 @@ fn start_service(
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log);
+    // Stopped with SIGTERM, as systemd would, also when the demo itself ends without its own
+    // cleanup (killed, or ended by SIGPIPE when its output is piped into `head`).
+    // SAFETY: prctl between fork and exec touches no memory of the parent's.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
     println!(
         "\nThe service: `ailhd --config {} run` (log: {})",
         config_path.display(),

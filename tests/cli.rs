@@ -32,6 +32,29 @@ fn check_config_accepts_the_shipped_files_and_names_bad_keys() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("batch_size"));
 
+    // A label list in the environment written with spaces or as JSON: refused, with how to
+    // write it (its names would match no folder); the plain form is taken.
+    let world = World::new("");
+    for (list, code) in [
+        ("CRACK, NORMAL", Some(2)),
+        ("[\"CRACK\",\"NORMAL\"]", Some(2)),
+        ("CRACK,NORMAL", Some(0)),
+    ] {
+        let o = world
+            .cmd(&["check-config"])
+            .env("AILHD_LABELS__NAMES", list)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), code, "{list}: {err}");
+        if code == Some(2) {
+            assert!(
+                err.contains("labels.names") && err.contains("A,B,C"),
+                "{err}"
+            );
+        }
+    }
+
     // A value that is none of a key's: the key, and the values it accepts.
     for (toml, key, values) in [
         (
@@ -207,6 +230,49 @@ fn demo_refuses_a_file_or_an_existing_demo_naming_it() {
     }
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a folder");
     assert_eq!(std::fs::read_dir(&existing).unwrap().count(), 1);
+}
+
+/// `ailhd demo | head`: the demo ends when its reader goes away, and the service it started
+/// goes with it (it is not left running on the demo's folders).
+#[test]
+fn a_demo_whose_reader_goes_away_leaves_no_service_running() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let demo = dir.path().join("d");
+    let mut child = std::process::Command::new(bin())
+        .arg("demo")
+        .arg(&demo)
+        .env_remove("AILHD_CONFIG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    // Read until the service has been started, then go away as `head` does.
+    assert!(
+        lines.any(|l| l.is_ok_and(|l| l.contains("The service:"))),
+        "the demo never started its service"
+    );
+    drop(lines);
+    let status = exit_within(&mut child, Duration::from_secs(60)).expect("the demo ended");
+    assert!(!status.success(), "ended by its closed output: {status:?}");
+    let config = demo.join("ailhd.toml").display().to_string();
+    let running = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|p| std::fs::read(p.path().join("cmdline")).ok())
+            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+            .any(|c| c.contains(&config) && c.contains(" run"))
+    };
+    let t = std::time::Instant::now();
+    while running() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the demo's service is still running"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 #[test]
