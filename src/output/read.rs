@@ -136,18 +136,15 @@ pub fn made_with(settings: &Settings) -> Result<Vec<MadeWith>> {
                 path,
             });
         }
-        let path = crate::output::npy_dir(out, split).join("attributes.json");
-        if settings.outputs.npy && path.exists() {
-            let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("cannot read {}", path.display()))?;
-            let attrs: serde_json::Value = serde_json::from_str(&text)
-                .with_context(|| format!("cannot parse {}", path.display()))?;
+        let dir = crate::output::npy_dir(out, split);
+        if settings.outputs.npy && dir.join("attributes.json").exists() {
+            let (path, attrs) = npy_attributes(&dir)?;
             let text = |name: &str| attrs[name].as_str().map(str::to_string);
             found.push(MadeWith {
                 fingerprint: text("feature_fingerprint")
                     .with_context(|| format!("{}: no feature_fingerprint", path.display()))?,
                 config_json: text("config_json"),
-                labels: npy_label_names(path.parent().expect("a file in a folder"))?,
+                labels: npy_labels(&path, &attrs)?,
                 path,
             });
         }
@@ -316,11 +313,22 @@ fn nul_trimmed(b: &[u8]) -> String {
 }
 
 pub fn npy_label_names(dir: &Path) -> Result<Vec<String>> {
+    let (path, attrs) = npy_attributes(dir)?;
+    npy_labels(&path, &attrs)
+}
+
+/// An npy split's `attributes.json` (its path, and its entries).
+fn npy_attributes(dir: &Path) -> Result<(PathBuf, serde_json::Value)> {
     let path = dir.join("attributes.json");
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read {}", path.display()))?;
-    let attrs: serde_json::Value =
+    let attrs =
         serde_json::from_str(&text).with_context(|| format!("cannot parse {}", path.display()))?;
+    Ok((path, attrs))
+}
+
+/// The label names (`labels_json`) of an npy split's attributes, read from `path`.
+fn npy_labels(path: &Path, attrs: &serde_json::Value) -> Result<Vec<String>> {
     let labels = attrs["labels_json"]
         .as_str()
         .with_context(|| format!("{}: no labels_json", path.display()))?;
