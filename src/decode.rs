@@ -584,6 +584,30 @@ impl<E> From<DecodeError> for Fail<E> {
     }
 }
 
+/// Whether the bytes from `pos` to the end of the file are a tag that taggers append to audio
+/// files of any kind, outside the RIFF: an ID3v2 tag (`ID3`, version 2 to 4, a size in
+/// "syncsafe" bytes of 7 bits each; what follows it, up to the end, may be an ID3v1 tag or
+/// padding) or an ID3v1 tag (`TAG`, exactly the last 128 bytes). Audio written past a stale
+/// header is not told apart from these by a few bytes, so the tag's own size must fit the file.
+fn looks_like_tag<S: Source + ?Sized>(src: &S, pos: u64) -> Result<bool, Fail<S::Error>> {
+    let left = src.len().saturating_sub(pos);
+    if left == 128 {
+        return Ok(&src.get(pos, 3).map_err(Fail::Source)?[..] == b"TAG");
+    }
+    if left < 10 {
+        return Ok(false);
+    }
+    let b = src.get(pos, 10).map_err(Fail::Source)?;
+    let syncsafe = b[6..10].iter().all(|&c| c < 0x80);
+    if &b[..3] != b"ID3" || !(2..=4).contains(&b[3]) || b[4] == 0xFF || !syncsafe {
+        return Ok(false);
+    }
+    let size = b[6..10].iter().fold(0u64, |n, &c| n << 7 | u64::from(c));
+    // A footer (flag 0x10, version 4) repeats the 10-byte header at the tag's end.
+    let footer = if b[5] & 0x10 != 0 { 10 } else { 0 };
+    Ok(10 + size + footer <= left)
+}
+
 /// Whether the bytes at `pos` read as a RIFF chunk header that fits in the file: used to tell
 /// metadata appended after the audio from audio written past a header not yet updated.
 fn looks_like_chunk<S: Source + ?Sized>(src: &S, pos: u64) -> Result<bool, Fail<S::Error>> {
@@ -753,7 +777,10 @@ fn check_data<S: Source + ?Sized>(
         // The RIFF ends with the audio, yet more bytes follow: either metadata someone appended
         // without updating the RIFF size (fine), or audio a recorder wrote past a header it
         // updates only now and then (not finished).
-        let trailing_ok = looks_like_chunk(src, end)? || looks_like_chunk(src, padded_end)?;
+        let trailing_ok = looks_like_chunk(src, end)?
+            || looks_like_chunk(src, padded_end)?
+            || looks_like_tag(src, end)?
+            || looks_like_tag(src, padded_end)?;
         if !trailing_ok {
             return Err(DecodeError::StaleHeader {
                 declared: size,
@@ -1766,6 +1793,44 @@ mod tests {
         let mut tagged = good.clone();
         tagged.extend(b"id3 \x04\0\0\0TAG!");
         assert!(decode(&tagged, 4096, 64).is_ok());
+        // ...nor an ID3 tag appended outside any chunk, as taggers of MP3 files write them: an
+        // ID3v2 tag (here 20 bytes of frames and a 100-byte ID3v1 tag after it), or an ID3v1
+        // tag alone (the last 128 bytes).
+        let mut id3v2 = good.clone();
+        id3v2.extend(b"ID3\x03\0\0\0\0\0\x14");
+        id3v2.extend([b'T'; 20]);
+        let mut both = id3v2.clone();
+        both.extend(b"TAG");
+        both.extend([b' '; 125]);
+        let mut id3v1 = good.clone();
+        id3v1.extend(b"TAG");
+        id3v1.extend([b' '; 125]);
+        for (name, b) in [
+            ("ID3v2", &id3v2),
+            ("ID3v2 and ID3v1", &both),
+            ("ID3v1", &id3v1),
+        ] {
+            assert!(
+                decode(b, 4096, 64).is_ok(),
+                "{name}: {:?}",
+                decode(b, 4096, 64).err()
+            );
+        }
+        // A tag whose size the file cannot hold, or "TAG" not 128 bytes from the end, may be
+        // audio that happens to begin with those bytes: still in progress.
+        let mut short_v2 = good.clone();
+        short_v2.extend(b"ID3\x03\0\0\0\0\x01\0");
+        short_v2.extend([b'T'; 20]);
+        let mut short_v1 = good.clone();
+        short_v1.extend(b"TAG");
+        short_v1.extend([b' '; 124]);
+        for (name, b) in [
+            ("ID3v2 too long", &short_v2),
+            ("TAG of 127 bytes", &short_v1),
+        ] {
+            let e = decode(b, 4096, 64).err().unwrap().to_string();
+            assert!(e.starts_with("recording in progress"), "{name}: {e}");
+        }
     }
 
     /// `n` samples of a sine with amplitude `a` at `f` Hz sampled at `rate`, as f64.

@@ -43,6 +43,12 @@ pub fn parse_name(file_name: &str) -> NameMeta {
 }
 
 fn parse_name_strict(file_name: &str) -> Option<NameMeta> {
+    let meta = parse_fields(file_name)?;
+    (id_too_long(&meta).is_none()).then_some(meta)
+}
+
+/// The fields of a name of the convention's shape, whatever the length of its ids.
+fn parse_fields(file_name: &str) -> Option<NameMeta> {
     let stem = file_name
         .len()
         .checked_sub(4)
@@ -52,11 +58,7 @@ fn parse_name_strict(file_name: &str) -> Option<NameMeta> {
     let [sensor, recording, stamp, gain] = parts.as_slice() else {
         return None;
     };
-    if sensor.is_empty()
-        || recording.is_empty()
-        || sensor.len() > ID_BYTES
-        || recording.len() > ID_BYTES
-    {
+    if sensor.is_empty() || recording.is_empty() {
         return None;
     }
     let gain_db: f32 = gain.parse().ok().filter(|g: &f32| g.is_finite())?;
@@ -68,7 +70,17 @@ fn parse_name_strict(file_name: &str) -> Option<NameMeta> {
     })
 }
 
-/// `YYYYmmddHHMMSS` (UTC) -> Unix seconds.
+/// An id of `meta` longer than its column (`ID_BYTES`): which, and its length.
+fn id_too_long(meta: &NameMeta) -> Option<(&'static str, usize)> {
+    [
+        ("sensor", &meta.sensor_id),
+        ("recording", &meta.recording_id),
+    ]
+    .into_iter()
+    .find(|(_, id)| id.len() > ID_BYTES)
+    .map(|(which, id)| (which, id.len()))
+}
+
 fn parse_timestamp(s: &str) -> Option<i64> {
     if s.len() != 14 || !s.bytes().all(|b| b.is_ascii_digit()) {
         return None;
@@ -108,6 +120,16 @@ pub enum PlacementError {
     PathTooLong { len: usize, max: usize },
     #[error("path is not valid UTF-8")]
     NotUtf8,
+    #[error(
+        "the file name's {which} id is {len} bytes, longer than the {max} its column holds: \
+         splits.mode = \"sensor\" cannot keep this sensor's recordings in one split (shorten \
+         the id in the name, or use another splits.mode)"
+    )]
+    IdTooLong {
+        which: &'static str,
+        len: usize,
+        max: usize,
+    },
 }
 
 /// The label list in force: `labels.names`, then folders appended under
@@ -197,11 +219,18 @@ pub fn place(
             if parts.len() < 2 {
                 return Err(PlacementError::NoLabelFolder);
             }
-            let sensor = parse_name(parts[parts.len() - 1]).sensor_id;
-            let split = if sensor.is_empty() {
-                hash_split(hash, &ratios)
-            } else {
-                hash_split(&content_hash(sensor.as_bytes()), &ratios)
+            // A name of the convention's shape whose ids do not fit their columns would be
+            // "outside the convention", its split taken from its content: its sensor's
+            // recordings would land in every split.
+            let split = match parse_fields(parts[parts.len() - 1]) {
+                Some(meta) => {
+                    if let Some((which, len)) = id_too_long(&meta) {
+                        let max = ID_BYTES;
+                        return Err(PlacementError::IdTooLong { which, len, max });
+                    }
+                    hash_split(&content_hash(meta.sensor_id.as_bytes()), &ratios)
+                }
+                None => hash_split(hash, &ratios),
             };
             (split, parts[0])
         }
@@ -335,6 +364,32 @@ mod tests {
         let h = content_hash(b"x");
         let p = place(&s, &mut labels, "LEAK/clip.wav", &h).unwrap();
         assert_eq!(p.split, hash_split(&h, &s.splits.ratios.as_array()));
+        // An id its column cannot hold (a UUID is 36 bytes) is refused with why, not taken as
+        // "off the convention" (which would scatter that sensor over every split).
+        let uuid = "6f1c2a9e-0b7d-4c3e-9a51-2f8d7e6b4c10";
+        for (rel, which) in [
+            (
+                format!("LEAK/{uuid}~R1~20250118120530~100.wav"),
+                "sensor id is 36 bytes",
+            ),
+            (
+                format!("LEAK/S001~{uuid}~20250118120530~100.wav"),
+                "recording id is 36 bytes",
+            ),
+        ] {
+            let e = place(&s, &mut labels, &rel, &h).unwrap_err();
+            assert!(e.to_string().contains(which), "{rel}: {e}");
+            assert!(e.to_string().contains("longer than the 32"), "{e}");
+            // Hash mode has no use for the sensor: the name is outside the convention.
+            let hash_mode = Settings::default();
+            assert!(place(&hash_mode, &mut labels, &rel, &h).is_ok());
+            let meta = parse_name(rel.rsplit('/').next().unwrap());
+            assert_eq!(
+                (meta.sensor_id.as_str(), meta.recorded_at),
+                ("", -1),
+                "{rel}"
+            );
+        }
     }
 
     #[test]
