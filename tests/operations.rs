@@ -219,10 +219,11 @@ fn run_exits(world: &World) -> (Option<i32>, String) {
 }
 
 /// A configuration that disagrees with the existing outputs (a feature setting, the order of
-/// `labels.names`) cannot pass by waiting: `run` exits 2 (systemd does not restart it) and
+/// `labels.names`, `outputs.path_bytes`: the width of `source_path`, in the HDF5 files and in
+/// the npy columns) cannot pass by waiting: `run` exits 2 (systemd does not restart it) and
 /// `check-config` says the same, naming the key; from the manifest, from the outputs alone (a
-/// lost state), and while the running service holds the manifest. An output that cannot be
-/// read is not the configuration's fault (exit 1).
+/// lost state), and while the running service holds the manifest. `rebuild` takes a new width.
+/// An output that cannot be read is not the configuration's fault (exit 1).
 #[test]
 #[serial]
 fn settings_that_disagree_with_the_outputs_are_a_configuration_error() {
@@ -249,6 +250,16 @@ fn settings_that_disagree_with_the_outputs_are_a_configuration_error() {
         "[labels]\nnames = [\"BACKGROUND\", \"CRACK\", \"NORMAL\", \"LEAK\", \"UNCLASSIFIED\"]\n";
     std::fs::write(&world.config, good.clone() + reordered).unwrap();
     refused(&["labels.names changed the ids", "ailhd rebuild"]);
+    let path_bytes = [
+        "outputs.path_bytes = 300 in the configuration, 256 in the outputs",
+        "ailhd rebuild",
+    ];
+    let wider = "[outputs]\npath_bytes = 300\n";
+    let npy_wider = "[outputs]\nhdf5 = false\npath_bytes = 300\n";
+    std::fs::write(&world.config, good.clone() + wider).unwrap();
+    refused(&path_bytes);
+    std::fs::write(&world.config, good.clone() + npy_wider).unwrap();
+    refused(&path_bytes);
 
     // While the service runs (it holds the manifest), check-config reads the outputs.
     std::fs::write(&world.config, &good).unwrap();
@@ -261,6 +272,10 @@ fn settings_that_disagree_with_the_outputs_are_a_configuration_error() {
     let o = world.run(&["check-config"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("changed the ids"), "{}", stderr(&o));
+    std::fs::write(&world.config, good.clone() + wider).unwrap();
+    let o = world.run(&["check-config"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains(path_bytes[0]), "{}", stderr(&o));
     std::fs::write(&world.config, &good).unwrap();
     svc.terminate();
     ok(&world.run(&["check-config"]));
@@ -269,6 +284,20 @@ fn settings_that_disagree_with_the_outputs_are_a_configuration_error() {
     std::fs::remove_dir_all(world.state()).unwrap();
     std::fs::write(&world.config, good.clone() + "[features]\nn_mels = 32\n").unwrap();
     refused(&n_mels);
+    std::fs::write(&world.config, good.clone() + wider).unwrap();
+    refused(&path_bytes);
+    std::fs::write(&world.config, good.clone() + npy_wider).unwrap();
+    refused(&path_bytes);
+
+    // `rebuild` regenerates the outputs with the new width; then the old one is refused.
+    std::fs::write(&world.config, good.clone() + wider).unwrap();
+    ok(&world.run(&["rebuild", "--device", "cpu"]));
+    ok(&world.run(&["check-config"]));
+    std::fs::write(&world.config, &good).unwrap();
+    refused(&[
+        "outputs.path_bytes = 256 in the configuration, 300 in the outputs",
+        "ailhd rebuild",
+    ]);
 
     // A damaged output is no configuration error.
     std::fs::write(&world.config, &good).unwrap();

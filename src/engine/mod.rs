@@ -37,7 +37,7 @@ use crate::features::cuda::DeviceTimes;
 use crate::features::{self, Featuriser};
 use crate::identity::LabelSet;
 use crate::output::set::OutputSet;
-use crate::output::{check_features, check_label_ids, OutputHeader};
+use crate::output::{check_features, check_label_ids, check_path_bytes, OutputHeader};
 use anyhow::{bail, Context};
 use commit::{Committer, Featurised};
 use crossbeam_channel::{Receiver, Sender};
@@ -896,7 +896,8 @@ fn recover_into(settings: &Settings, manifest: &Manifest) -> anyhow::Result<()> 
 /// they were given (`run` at every open, and before a recovery reads the outputs through
 /// [`check_agreement`]; `check-config` through [`check_outputs`]). The rules
 /// are [`check_features`] and [`check_label_ids`], which also check each output file as it is
-/// reopened.
+/// reopened. The manifest does not record `outputs.path_bytes`: [`check_path_bytes`] checks it
+/// against each output as it is reopened (or read by a recovery), and in [`check_made_with`].
 fn check_compatible(
     settings: &Settings,
     manifest: &Manifest,
@@ -923,9 +924,9 @@ fn check_compatible(
 
 /// `check-config`: the configuration agrees with the outputs already under `paths.output` and
 /// with their manifest, by the checks `run` makes when it opens them ([`check_agreement`], and
-/// each output file's feature settings as its reopen checks them). A mismatch is a
-/// [`SettingsDiffer`](crate::output::SettingsDiffer); an output or manifest that cannot be read
-/// is an ordinary (run-time) error.
+/// each output file's feature settings, label ids and `source_path` width as its reopen checks
+/// them). A mismatch is a [`SettingsDiffer`](crate::output::SettingsDiffer); an output or
+/// manifest that cannot be read is an ordinary (run-time) error.
 pub fn check_outputs(settings: &Settings) -> anyhow::Result<()> {
     let dir = crate::staging::manifest_dir(settings);
     // A running writer holds the manifest (sled locks it): then the outputs are asked instead,
@@ -954,9 +955,9 @@ fn check_agreement(settings: &Settings, manifest: &Manifest) -> anyhow::Result<(
     )
 }
 
-/// The configuration agrees with the attributes of each output file: its feature settings, and
-/// the ids of its labels (those past the configured ones taken as appended, as a recovery of
-/// the manifest takes them).
+/// The configuration agrees with the attributes of each output file: its feature settings, the
+/// ids of its labels (those past the configured ones taken as appended, as a recovery of the
+/// manifest takes them), and the width of its `source_path` column (`outputs.path_bytes`).
 fn check_made_with(settings: &Settings) -> anyhow::Result<()> {
     let made = crate::output::read::made_with(settings)?;
     for m in &made {
@@ -968,6 +969,7 @@ fn check_made_with(settings: &Settings) -> anyhow::Result<()> {
             .unwrap_or_default();
         let labels = LabelSet::new(&settings.labels.names, appended, settings.labels.unknown);
         check_label_ids(&m.path, &m.labels, &labels.names)?;
+        check_path_bytes(&m.path, m.path_bytes, settings.outputs.path_bytes)?;
     }
     Ok(())
 }

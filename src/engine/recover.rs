@@ -568,7 +568,10 @@ fn read_hdf5(path: &Path, from: u64) -> Result<(Vec<String>, Identity)> {
 
 fn read_npy(settings: &Settings, dir: &Path) -> Result<(Vec<String>, Identity)> {
     let descr = |t| crate::output::npy::descr(t);
-    let path_type = ColumnType::Str(settings.outputs.path_bytes);
+    let path_bytes = settings.outputs.path_bytes;
+    let stored = crate::output::npy::source_path_width(dir)?;
+    crate::output::check_path_bytes(&dir.join("source_path.npy"), stored, path_bytes)?;
+    let path_type = ColumnType::Str(path_bytes);
     let (_, blake3) = npy_rows(dir, "blake3", &descr(ColumnType::U8))?;
     let (width, paths) = npy_rows(dir, "source_path", &descr(path_type))?;
     let (_, labels) = npy_rows(dir, "labels", &descr(ColumnType::I16))?;

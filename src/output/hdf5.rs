@@ -1041,13 +1041,22 @@ fn open_columns(
             .map_err(|e| incompatible(path, format_args!("no dataset {} ({e})", spec.name)))?;
         let mem_type = memory_type(spec.dtype)?;
         let found = ds.dtype()?.to_descriptor()?;
+        // Its width is the configuration's (outputs.path_bytes), not the file's damage.
+        if let (
+            ColumnType::Str(configured),
+            TypeDescriptor::FixedUnicode(stored) | TypeDescriptor::FixedAscii(stored),
+        ) = (spec.dtype, &found)
+        {
+            if spec.name == "source_path" {
+                super::check_path_bytes(path, *stored, configured)?;
+            }
+        }
         let shape = ds.shape();
         if found != mem_type.to_descriptor()? || shape[1..] != spec.row_dims[..] {
             return Err(incompatible(
                 path,
                 format_args!(
-                    "dataset {} is {found:?} with shape {shape:?}, expected {:?} rows of {:?} \
-                     (outputs.path_bytes sets the width of source_path)",
+                    "dataset {} is {found:?} with shape {shape:?}, expected {:?} rows of {:?}",
                     spec.name,
                     mem_type.to_descriptor()?,
                     spec.row_dims

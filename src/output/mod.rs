@@ -431,11 +431,12 @@ pub fn incompatible(path: &Path, what: impl std::fmt::Display) -> anyhow::Error 
 }
 
 /// The configuration disagrees with what existing outputs (or their manifest) were made with: a
-/// feature setting, or the order of `labels.names`. Not a condition that may pass: only the
-/// configuration mends it (restore the setting, or `ailhd rebuild`), so it is reported as a
-/// configuration error (exit 2, which systemd does not restart; exit 1 would restart `run`
-/// every few seconds for ever). `run` (the manifest at every open, each output file as it is
-/// reopened) and `check-config` both refuse through [`check_features`] and [`check_label_ids`].
+/// feature setting, the order of `labels.names`, or `outputs.path_bytes` (the width of
+/// `source_path`). Not a condition that may pass: only the configuration mends it (restore the
+/// setting, or `ailhd rebuild`), so it is reported as a configuration error (exit 2, which
+/// systemd does not restart; exit 1 would restart `run` every few seconds for ever). `run` (the
+/// manifest at every open, each output file as it is reopened) and `check-config` both refuse
+/// through [`check_features`], [`check_label_ids`] and [`check_path_bytes`].
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct SettingsDiffer(String);
@@ -502,9 +503,41 @@ pub fn check_label_ids(
     )))
 }
 
+/// The `source_path` column of the outputs at `path` (a file, or an npy split's column) holds
+/// strings of `stored` bytes, fixed when they were made: they take the rows of a configuration
+/// whose `outputs.path_bytes` is `configured` only when the two are equal.
+pub fn check_path_bytes(
+    path: &Path,
+    stored: usize,
+    configured: usize,
+) -> Result<(), SettingsDiffer> {
+    if stored == configured {
+        return Ok(());
+    }
+    Err(SettingsDiffer(format!(
+        "{}: outputs.path_bytes = {configured} in the configuration, {stored} in the outputs (the \
+         fixed width of their source_path column): these outputs cannot be appended to. Restore \
+         the setting, or run `ailhd rebuild` to regenerate the outputs with the new width",
+        path.display()
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_changed_path_width_is_named_as_a_configuration_error() {
+        let p = Path::new("/out/npy/training/source_path.npy");
+        assert!(check_path_bytes(p, 256, 256).is_ok());
+        let e = check_path_bytes(p, 256, 300).unwrap_err().to_string();
+        assert!(
+            e.contains("/out/npy/training/source_path.npy")
+                && e.contains("outputs.path_bytes = 300 in the configuration, 256 in the outputs")
+                && e.contains("ailhd rebuild"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn a_changed_feature_setting_is_named_as_a_configuration_error() {

@@ -720,8 +720,9 @@ fn open_columns(
     Ok((cols, on_disk, uniform))
 }
 
-/// Read and check a column's npy header: returns (header length, row count).
-fn read_npy_header(file: &mut File, spec: &ColumnSpec, path: &Path) -> Result<(usize, u64)> {
+/// Read a column's npy header (version 1.0, as ailhd writes them): returns (header length,
+/// its dictionary less the padding).
+fn read_dict(file: &mut File, path: &Path) -> Result<(usize, String)> {
     let mut pre = [0u8; 10];
     file.read_exact(&mut pre)
         .with_context(|| format!("reading {}", path.display()))?;
@@ -732,8 +733,41 @@ fn read_npy_header(file: &mut File, spec: &ColumnSpec, path: &Path) -> Result<(u
     let mut dict = vec![0u8; header_len - 10];
     file.read_exact(&mut dict)
         .with_context(|| format!("reading {}", path.display()))?;
-    let dict = String::from_utf8_lossy(&dict);
-    let dict = dict.trim_end();
+    let dict = String::from_utf8_lossy(&dict).trim_end().to_string();
+    Ok((header_len, dict))
+}
+
+/// The width of a fixed-length string column, as its header dictionary gives it
+/// (`'descr': '|S256'`).
+fn dict_str_width(dict: &str) -> Option<usize> {
+    let (_, rest) = dict.split_once("'descr': '|S")?;
+    rest.split_once('\'')?.0.parse().ok()
+}
+
+/// The width of the `source_path` strings of the npy split in `dir` (`outputs.path_bytes` when
+/// it was made), from the header of `source_path.npy` alone.
+pub fn source_path_width(dir: &Path) -> Result<usize> {
+    let path = dir.join("source_path.npy");
+    let mut file = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    let (_, dict) = read_dict(&mut file, &path)?;
+    dict_str_width(&dict).ok_or_else(|| {
+        incompatible(
+            &path,
+            format_args!("header {dict:?} does not describe fixed-length strings"),
+        )
+    })
+}
+
+/// Read and check a column's npy header: returns (header length, row count).
+fn read_npy_header(file: &mut File, spec: &ColumnSpec, path: &Path) -> Result<(usize, u64)> {
+    let (header_len, dict) = read_dict(file, path)?;
+    let dict = dict.as_str();
+    // Its width is the configuration's (outputs.path_bytes), not the file's damage.
+    if let (ColumnType::Str(configured), Some(stored)) = (spec.dtype, dict_str_width(dict)) {
+        if spec.name == "source_path" {
+            super::check_path_bytes(path, stored, configured)?;
+        }
+    }
     let rows = dict
         .split_once("'shape': (")
         .and_then(|(_, rest)| rest.split([',', ')']).next())
@@ -807,5 +841,18 @@ mod tests {
         let h = npy_header(labels, 12, 128);
         assert!(String::from_utf8_lossy(&h)
             .contains("{'descr': '<i2', 'fortran_order': False, 'shape': (12,), }"));
+    }
+
+    #[test]
+    fn a_string_column_says_its_width() {
+        let header = OutputHeader {
+            labels: vec![],
+            features: Default::default(),
+            path_bytes: 300,
+        };
+        let source_path = &columns(&header)[4];
+        assert_eq!(source_path.name, "source_path");
+        assert_eq!(dict_str_width(&npy_dict(source_path, 7)), Some(300));
+        assert_eq!(dict_str_width(&npy_dict(&columns(&header)[1], 7)), None);
     }
 }

@@ -112,12 +112,15 @@ pub struct MadeWith {
     pub config_json: Option<String>,
     /// `labels_json`: the label names, position = id.
     pub labels: Vec<String>,
+    /// The width of its `source_path` strings (`outputs.path_bytes` when it was made): the
+    /// dataset's type, or the npy column's header.
+    pub path_bytes: usize,
 }
 
 /// What each existing output file of the enabled kinds under `paths.output` was made with (HDF5
-/// in SWMR mode, so also while `ailhd run` appends; npy from `attributes.json`). A file that
-/// cannot be read is an error (a condition that may pass, or a damaged file; not the
-/// configuration's fault).
+/// in SWMR mode, so also while `ailhd run` appends; npy from `attributes.json` and the header
+/// of `source_path.npy`). A file that cannot be read is an error (a condition that may pass, or
+/// a damaged file; not the configuration's fault).
 pub fn made_with(settings: &Settings) -> Result<Vec<MadeWith>> {
     let out = &settings.paths.output;
     let mut found = Vec::new();
@@ -133,6 +136,7 @@ pub fn made_with(settings: &Settings) -> Result<Vec<MadeWith>> {
                 fingerprint: attr("feature_fingerprint")?,
                 config_json: attr("config_json").ok(),
                 labels: s.label_names()?,
+                path_bytes: s.path_bytes()?,
                 path,
             });
         }
@@ -145,6 +149,7 @@ pub fn made_with(settings: &Settings) -> Result<Vec<MadeWith>> {
                     .with_context(|| format!("{}: no feature_fingerprint", path.display()))?,
                 config_json: text("config_json"),
                 labels: npy_labels(&path, &attrs)?,
+                path_bytes: crate::output::npy::source_path_width(&dir)?,
                 path,
             });
         }
@@ -255,16 +260,30 @@ impl SwmrSplit {
         })
     }
 
-    /// Rows `range` of a fixed-length string column (`recording_id`, `source_path`...).
-    pub fn read_strings(&self, name: &str, range: std::ops::Range<u64>) -> Result<Vec<String>> {
-        let ds = self.dataset(name)?;
-        let width = match ds.dtype()?.to_descriptor()? {
-            TypeDescriptor::FixedUnicode(n) | TypeDescriptor::FixedAscii(n) => n,
+    /// The width of the `source_path` strings (`outputs.path_bytes` when the file was made),
+    /// from the dataset's type alone.
+    pub fn path_bytes(&self) -> Result<usize> {
+        let ds = self
+            .file
+            .dataset("source_path")
+            .with_context(|| format!("{}: no source_path dataset", self.path.display()))?;
+        self.string_width(&ds, "source_path")
+    }
+
+    fn string_width(&self, ds: &Dataset, name: &str) -> Result<usize> {
+        match ds.dtype()?.to_descriptor()? {
+            TypeDescriptor::FixedUnicode(n) | TypeDescriptor::FixedAscii(n) => Ok(n),
             other => bail!(
                 "{}: {name} is {other:?}, not a fixed-length string",
                 self.path.display()
             ),
-        };
+        }
+    }
+
+    /// Rows `range` of a fixed-length string column (`recording_id`, `source_path`...).
+    pub fn read_strings(&self, name: &str, range: std::ops::Range<u64>) -> Result<Vec<String>> {
+        let ds = self.dataset(name)?;
+        let width = self.string_width(&ds, name)?;
         let bytes = read_rows(&ds, range.start, range.end.saturating_sub(range.start))
             .with_context(|| format!("{}: reading {name} rows {range:?}", self.path.display()))?;
         Ok(bytes.chunks(width.max(1)).map(nul_trimmed).collect())
