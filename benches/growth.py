@@ -16,7 +16,8 @@ reused by later runs; `--fresh` makes it anew):
 7. SIGKILL, restart -> a new recording's row seen;
 8. at rest: the restarted service idle for 2 s closes its files and the manifest
    (`idle_close_s`): its RSS then, and the first recording after that (the files reopened):
-   the median of `--rest-samples` idle closes, each followed by one recording.
+   the median of `--rest-samples` idle closes, each followed by one recording;
+9. the service stopped, `ailhd compact`: its time and peak RSS, and the manifest's size after.
 
 Each run adds a few thousand recordings to the prepared trees (N grows a little: the table
 says how many were ingested before each run). A prepared tree that has grown past
@@ -234,6 +235,15 @@ def at_rest(site, reader, svc, closes_before):
     }
 
 
+def manifest_sizes(site):
+    """The manifest's bytes per recording: apparent, and what the disk holds (`du`: sled's
+    free log segments are holes)."""
+    files = [os.stat(os.path.join(r, f))
+             for r, _, fs in os.walk(os.path.join(site.state, "manifest")) for f in fs]
+    n = site.recordings()
+    return (sum(st.st_size for st in files) / n, sum(st.st_blocks * 512 for st in files) / n)
+
+
 def prepare(d, n, binary, fresh, max_growth):
     made = {}
     if not fresh and max_growth > 0 and os.path.exists(os.path.join(d, "prepared")):
@@ -270,11 +280,7 @@ def one_size(a, n):
         assert code == 0, f"rebuild exited {code}"
         res["rebuild files/s"] = site.recordings() / secs
         res["rebuild peak RSS MB"] = rss
-    files = [os.stat(os.path.join(r, f))
-             for r, _, fs in os.walk(os.path.join(site.state, "manifest")) for f in fs]
-    # The apparent size, and what the disk holds (`du`): sled's free log segments are holes.
-    res["manifest B/recording"] = sum(st.st_size for st in files) / site.recordings()
-    res["manifest B/recording on disk"] = sum(st.st_blocks * 512 for st in files) / site.recordings()
+    res["manifest B/recording"], res["manifest B/recording on disk"] = manifest_sizes(site)
     times, peak = [], 0
     for _ in range(5):
         secs, rss, code = run_waited([a.binary, "--config", site.cfg, "status", "--json"], site.env)
@@ -336,6 +342,12 @@ def one_size(a, n):
         f"{statistics.median(first):.1f} ({first[0]:.1f}-{first[-1]:.1f}, {len(first)} closes)")
     site.stop(svc)
     reader.close()
+    # The state folder as `ailhd compact` leaves it (the service stopped).
+    secs, rss, code = run_waited([a.binary, "--config", site.cfg, "compact"], site.env)
+    assert code == 0, f"compact exited {code}"
+    sizes = manifest_sizes(site)
+    res["manifest B/recording after `ailhd compact` (on disk)"] = f"{sizes[0]:.0f} ({sizes[1]:.0f})"
+    res["`ailhd compact` s / peak RSS MB"] = f"{secs:.1f} / {rss:.0f}"
     res["never seen"] = never
     return res
 

@@ -83,6 +83,10 @@ enum Command {
     },
     /// Validate the configuration and what the service needs at start (exit 0, or 2 with the reason).
     CheckConfig,
+    /// Copy the manifest's records into a fresh manifest that takes its place: a third to a
+    /// quarter of the space after months of ingest. For a stopped service (it holds the state
+    /// folder while it runs).
+    Compact,
     /// Make the running service reload its configuration and wait for its answer (systemd's
     /// ExecReload): exit 0 when accepted, 2 when refused.
     Reload {
@@ -182,6 +186,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
     };
     match &cli.command {
         Command::CheckConfig => check_config(&load_settings(&cli)?),
+        Command::Compact => compact(&load_settings(&cli)?),
         Command::Rebuild {
             device: d,
             json,
@@ -334,6 +339,27 @@ fn inspect(s: &Settings, file: &Path, json: bool, png: &Option<PathBuf>) -> anyh
             println!("  picture: {}", out.display());
         }
     }
+    Ok(())
+}
+
+fn compact(s: &Settings) -> anyhow::Result<()> {
+    let _lock = ailhd::lock::WriterLock::acquire(&s.paths.state, "compact")?;
+    let dir = ailhd::staging::manifest_dir(s);
+    let t = std::time::Instant::now();
+    // The same records: `status` keeps reading its report instead of the whole manifest.
+    let kept = ailhd::status::read_stopped(s);
+    let done = ailhd::engine::compact::compact(&dir)?;
+    if let Some(report) = kept {
+        let _ = ailhd::status::save_stopped(s, &report);
+    }
+    println!(
+        "{}: compacted from {:.1} MB to {:.1} MB on disk ({} records) in {:.1} s",
+        dir.display(),
+        done.before as f64 / 1e6,
+        done.after as f64 / 1e6,
+        done.records,
+        t.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 

@@ -319,26 +319,27 @@ pub fn save_stopped(settings: &Settings, report: &StatusReport) -> std::io::Resu
 
 /// sled writes its last bytes and releases its lock on `db` (flock) from a background thread
 /// after its last handle is dropped: wait (up to 3 s) until the lock is free, so that the
-/// stamp is taken of the files as sled left them.
-fn wait_until_closed(db: &std::path::Path) {
+/// stamp is taken of the files as sled left them. False: still held after 3 s.
+pub(crate) fn wait_until_closed(db: &std::path::Path) -> bool {
     use std::os::fd::AsRawFd;
     let Ok(file) = std::fs::File::open(db) else {
-        return;
+        return true;
     };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
     // SAFETY: flock on a descriptor this function owns.
     while unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         if std::time::Instant::now() > deadline {
-            return;
+            return false;
         }
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
     // SAFETY: as above.
     unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
+    true
 }
 
 /// The kept report, if the manifest has not changed since it was made.
-fn read_stopped(settings: &Settings) -> Option<StatusReport> {
+pub fn read_stopped(settings: &Settings) -> Option<StatusReport> {
     let kept: StoppedReport =
         serde_json::from_slice(&std::fs::read(stopped_path(settings)).ok()?).ok()?;
     (manifest_stamp(settings)? == kept.manifest).then_some(kept.report)

@@ -3,7 +3,9 @@
 //! reporting an accepted and a refused configuration through its exit status, and the metrics
 //! textfile the running service keeps.
 
-use crate::common::service::{committed, Service};
+use crate::common::service::{
+    clip_wav, committed, compare_with_rebuild, write_via_rename, Service,
+};
 use crate::common::*;
 use serial_test::serial;
 use std::os::unix::fs::PermissionsExt;
@@ -588,4 +590,45 @@ fn every_documented_metric_family_is_there_from_the_first_scrape() {
         promtool_check(what, text);
     }
     svc.terminate();
+}
+
+/// `ailhd compact` (the service stopped) puts a fresh copy of the manifest in its place with
+/// every record: `status` reports the same, a start takes new recordings with it, and the
+/// outputs still agree with a rebuild. While the service runs it is refused.
+#[test]
+#[serial]
+fn compact_replaces_the_manifest_with_a_copy_that_keeps_every_record() {
+    let world = World::new(FAST);
+    add_recordings(&world, 6);
+    ok(&world.run(&["rebuild", "--device", "cpu"]));
+    let before = world.status_json();
+    let said = ok(&world.run(&["compact"]));
+    assert!(said.contains("compacted from"), "{said}");
+    let names: Vec<String> = std::fs::read_dir(world.state())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("manifest"))
+        .collect();
+    assert_eq!(names, ["manifest"], "nothing left beside it");
+    let after = world.status_json();
+    for key in ["files", "splits"] {
+        assert_eq!(after[key], before[key], "{key}: {after}");
+    }
+
+    let svc = Service::start(&world);
+    let o = world.run(&["compact"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("held by pid"), "{}", stderr(&o));
+    let rec = world.rec();
+    for (i, label) in [(1, "LEAK"), (2, "NORMAL")] {
+        let rel = format!("{label}/S80{i}~R80{i}~20250118120530~100.wav");
+        write_via_rename(&rec, &rel, &clip_wav(label, 8000 + i));
+    }
+    svc.wait("eight recordings", |s| committed(s) == 8);
+    svc.terminate();
+    assert!(world.status_json()["quarantined"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    compare_with_rebuild(&world);
 }

@@ -151,7 +151,7 @@ pub fn set_cache_mb(mb: u64) {
 /// sled releases its file lock from a background thread after the last handle is dropped, so a
 /// reopen right after a close in the same process can find it still held: wait for it briefly.
 /// Another process holding it is refused by the writer lock before we get here.
-fn open_db(dir: &Path) -> Result<sled::Db, sled::Error> {
+pub(super) fn open_db(dir: &Path) -> Result<sled::Db, sled::Error> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
     loop {
         match sled::Config::new()
@@ -201,6 +201,7 @@ impl Manifest {
             path: path.clone(),
             source,
         };
+        super::compact::restore(dir);
         let created = !dir.exists();
         for file in ["db", "conf"] {
             crate::output::take_stale_write_error(&dir.join(file));

@@ -18,6 +18,7 @@
 //! and [`Engine::wait`]; problems of one file are outcomes in the plan, never errors.
 
 pub mod commit;
+pub mod compact;
 pub mod featurise;
 pub mod inflight;
 pub mod lane;
