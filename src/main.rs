@@ -83,9 +83,9 @@ enum Command {
     },
     /// Validate the configuration and what the service needs at start (exit 0, or 2 with the reason).
     CheckConfig,
-    /// Copy the manifest's records into a fresh manifest that takes its place: a third to a
-    /// quarter of the space after months of ingest. For a stopped service (it holds the state
-    /// folder while it runs).
+    /// Copy the manifest's records into a fresh manifest that takes its place, in about 40% of
+    /// the space one written by `rebuild` or the service takes. For a stopped service (it holds
+    /// the state folder while it runs).
     Compact,
     /// Make the running service reload its configuration and wait for its answer (systemd's
     /// ExecReload): exit 0 when accepted, 2 when refused.

@@ -19,6 +19,9 @@ _ailhd() {
             ailhd,check-config)
                 cmd="ailhd__subcmd__check__subcmd__config"
                 ;;
+            ailhd,compact)
+                cmd="ailhd__subcmd__compact"
+                ;;
             ailhd,completions)
                 cmd="ailhd__subcmd__completions"
                 ;;
@@ -54,6 +57,9 @@ _ailhd() {
                 ;;
             ailhd__subcmd__help,check-config)
                 cmd="ailhd__subcmd__help__subcmd__check__subcmd__config"
+                ;;
+            ailhd__subcmd__help,compact)
+                cmd="ailhd__subcmd__help__subcmd__compact"
                 ;;
             ailhd__subcmd__help,completions)
                 cmd="ailhd__subcmd__help__subcmd__completions"
@@ -95,7 +101,7 @@ _ailhd() {
 
     case "${cmd}" in
         ailhd)
-            opts="-h -V --config --verbose --debug --help --version run rebuild merge status check-config reload inspect demo doctor completions man help"
+            opts="-h -V --config --verbose --debug --help --version run rebuild merge status check-config compact reload inspect demo doctor completions man help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -113,6 +119,24 @@ _ailhd() {
             return 0
             ;;
         ailhd__subcmd__check__subcmd__config)
+            opts="-h --config --verbose --debug --help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --config)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        ailhd__subcmd__compact)
             opts="-h --config --verbose --debug --help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
@@ -185,7 +209,7 @@ _ailhd() {
             return 0
             ;;
         ailhd__subcmd__help)
-            opts="run rebuild merge status check-config reload inspect demo doctor completions man help"
+            opts="run rebuild merge status check-config compact reload inspect demo doctor completions man help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -199,6 +223,20 @@ _ailhd() {
             return 0
             ;;
         ailhd__subcmd__help__subcmd__check__subcmd__config)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        ailhd__subcmd__help__subcmd__compact)
             opts=""
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )

@@ -3,9 +3,8 @@
 //!
 //! sled gives back the space of the pages it rewrote only once a segment of its log is half
 //! empty, and ingesting rewrites leaves over and over (a recording's hash lands anywhere in the
-//! `content` tree): a manifest written by `rebuild` or by the service for a while holds 700-1,200
-//! bytes a recording on disk, a fresh copy 300-350 (docs/benchmarks.md, "The manifest
-//! compacted").
+//! `content` tree): a manifest written by `rebuild` or by the service for a while holds 700-900
+//! bytes a recording on disk, a fresh copy 330-340 (docs/benchmarks.md, "`ailhd compact`").
 //!
 //! The swap, and what a power cut or a crash at any point leaves (see [`restore`]):
 //! 1. the copy is made in `manifest.compacting`, compared record for record with the original,
