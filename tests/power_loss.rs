@@ -1687,6 +1687,21 @@ fn manifest_child(role: &str, dir: &Path) -> ! {
     std::process::exit(code)
 }
 
+/// For test `test` of the manifest under power cuts: in its child process, play
+/// [`manifest_child`]'s role (and exit); in the test itself, a manifest filled by a child on a
+/// test file system mounted in `tmp`, and its folder.
+fn filled_manifest(test: &str, tmp: &Path) -> (FaultFs, PathBuf) {
+    if let Ok(role) = std::env::var(MANIFEST_CHILD) {
+        let dir = PathBuf::from(std::env::var_os("AILHD_POWER_LOSS_MANIFEST_DIR").unwrap());
+        manifest_child(&role, &dir);
+    }
+    let fs = FaultFs::mount(&tmp.join("m"));
+    let dir = fs.path().join("state");
+    let (ok, lines) = run_manifest_child(test, "fill", &dir);
+    assert!(ok, "filling the manifest: {lines:?}");
+    (fs, dir)
+}
+
 /// Runs this test binary again as [`manifest_child`]; (exited 0, its `child:` lines).
 fn run_manifest_child(test: &str, role: &str, dir: &Path) -> (bool, Vec<String>) {
     let mut child = Command::new(std::env::current_exe().unwrap())
@@ -1725,15 +1740,8 @@ fn run_manifest_child(test: &str, role: &str, dir: &Path) -> (bool, Vec<String>)
 #[serial]
 fn power_cuts_around_sleds_punched_segments_lose_no_acknowledged_record() {
     let test = "power_loss::power_cuts_around_sleds_punched_segments_lose_no_acknowledged_record";
-    if let Ok(role) = std::env::var(MANIFEST_CHILD) {
-        let dir = PathBuf::from(std::env::var_os("AILHD_POWER_LOSS_MANIFEST_DIR").unwrap());
-        manifest_child(&role, &dir);
-    }
     let tmp = tempfile::tempdir().unwrap();
-    let mut fs = FaultFs::mount(&tmp.path().join("m"));
-    let dir = fs.path().join("state");
-    let (ok, lines) = run_manifest_child(test, "fill", &dir);
-    assert!(ok, "filling the manifest: {lines:?}");
+    let (mut fs, dir) = filled_manifest(test, tmp.path());
     // What each record must hold now, and what it may hold besides (a rewrite not acknowledged).
     let mut durable: Vec<u64> = vec![FILL_ROUNDS - 1; RECORDS];
     let (mut cuts_after_a_punch, mut punches) = (0, 0);
@@ -1815,15 +1823,8 @@ fn power_cuts_around_sleds_punched_segments_lose_no_acknowledged_record() {
 #[serial]
 fn power_cuts_during_a_compaction_leave_one_whole_manifest() {
     let test = "power_loss::power_cuts_during_a_compaction_leave_one_whole_manifest";
-    if let Ok(role) = std::env::var(MANIFEST_CHILD) {
-        let dir = PathBuf::from(std::env::var_os("AILHD_POWER_LOSS_MANIFEST_DIR").unwrap());
-        manifest_child(&role, &dir);
-    }
     let tmp = tempfile::tempdir().unwrap();
-    let mut fs = FaultFs::mount(&tmp.path().join("m"));
-    let dir = fs.path().join("state");
-    let (ok, lines) = run_manifest_child(test, "fill", &dir);
-    assert!(ok, "filling the manifest: {lines:?}");
+    let (mut fs, dir) = filled_manifest(test, tmp.path());
     let (mut cuts, mut finished) = (0, false);
     for x in 1..=200u64 {
         let before = fs.stats();
