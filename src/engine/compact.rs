@@ -50,7 +50,7 @@ pub fn restore(dir: &Path) {
                     "manifest {}: a compaction was interrupted; the manifest from before it is back",
                     dir.display()
                 );
-                sync_parent(dir);
+                let _ = sync_parent(dir);
             }
             Err(e) => log::warn!(
                 "manifest {}: a compaction was interrupted and its original {} cannot be moved back: {e}",
@@ -59,20 +59,30 @@ pub fn restore(dir: &Path) {
             ),
         }
     }
-    if dir.exists() {
-        for left in [fresh, aside] {
-            if left.exists() {
-                if let Err(e) = std::fs::remove_dir_all(&left) {
-                    log::warn!("{}: left by a compaction, not removed: {e}", left.display());
-                }
-            }
+    let left: Vec<PathBuf> = [fresh, aside].into_iter().filter(|p| p.exists()).collect();
+    if !dir.exists() || left.is_empty() {
+        return;
+    }
+    // The names as they are now made durable first: the old manifest's files are removed only
+    // once no power cut can bring back the name `manifest` for them.
+    if let Err(e) = sync_parent(dir) {
+        log::warn!(
+            "manifest {}: the state folder cannot be synced ({e}); what a compaction left beside it is kept for now",
+            dir.display()
+        );
+        return;
+    }
+    for left in left {
+        if let Err(e) = std::fs::remove_dir_all(&left) {
+            log::warn!("{}: left by a compaction, not removed: {e}", left.display());
         }
     }
 }
 
-fn sync_parent(dir: &Path) {
-    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        let _ = crate::durable::sync_dir(parent);
+fn sync_parent(dir: &Path) -> std::io::Result<()> {
+    match dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(parent) => crate::durable::sync_dir(parent),
+        None => crate::durable::sync_dir(Path::new(".")),
     }
 }
 
@@ -203,8 +213,9 @@ fn copy_and_swap(dir: &Path) -> anyhow::Result<u64> {
         let _ = std::fs::rename(aside_dir(dir), dir);
         return Err(e).context("moving the copy into place");
     }
-    crate::durable::sync_dir(dir.parent().unwrap_or(Path::new("."))).context("syncing")?;
-    let _ = std::fs::remove_dir_all(aside_dir(dir));
+    // The copy is in place: the original goes once the swap is durable (a state folder that
+    // cannot be synced now keeps it, for the next open to remove).
+    restore(dir);
     Ok(records)
 }
 
