@@ -81,6 +81,7 @@ fn id_too_long(meta: &NameMeta) -> Option<(&'static str, usize)> {
     .map(|(which, id)| (which, id.len()))
 }
 
+/// `YYYYmmddHHMMSS` (UTC) -> Unix seconds.
 fn parse_timestamp(s: &str) -> Option<i64> {
     if s.len() != 14 || !s.bytes().all(|b| b.is_ascii_digit()) {
         return None;

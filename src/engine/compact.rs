@@ -8,7 +8,7 @@
 //!
 //! The swap, and what a power cut or a crash at any point leaves (see [`restore`]):
 //! 1. the copy is made in `manifest.compacting`, compared record for record with the original,
-//!    and synced (files, folder);
+//!    and synced (files, folder, its entry in the state folder);
 //! 2. `manifest` is renamed `manifest.compacted-away`; 3. `manifest.compacting` is renamed
 //!    `manifest`; the state folder is synced; 4. `manifest.compacted-away` is removed.
 //!
@@ -195,19 +195,17 @@ fn copy_and_swap(dir: &Path) -> anyhow::Result<u64> {
     }
     drop(src);
     drop(dst);
+    // Opened once more (open_db waits for the lock the copy's close still holds), sled folds
+    // the copy's log into a snapshot and gives back the segments it did not fill, so that the
+    // service's first open has nothing to fold.
+    drop(super::manifest::open_db(&fresh)?);
     // sled writes its last bytes from a thread of its own after the last handle goes.
     for db in [dir.join("db"), fresh.join("db")] {
         if !crate::status::wait_until_closed(&db) {
             anyhow::bail!("{} still held by sled after 3 s", db.display());
         }
     }
-    // Opened once more, sled folds the copy's log into a snapshot and gives back the segments
-    // it did not fill, so that the service's first open has nothing to fold.
-    drop(super::manifest::open_db(&fresh)?);
-    if !crate::status::wait_until_closed(&fresh.join("db")) {
-        anyhow::bail!("{} still held by sled after 3 s", fresh.display());
-    }
-    sync_folder(&fresh)?;
+    super::manifest::sync_new_folder(&fresh)?;
     std::fs::rename(dir, aside_dir(dir)).context("setting the old manifest aside")?;
     if let Err(e) = std::fs::rename(&fresh, dir) {
         let _ = std::fs::rename(aside_dir(dir), dir);
@@ -217,23 +215,6 @@ fn copy_and_swap(dir: &Path) -> anyhow::Result<u64> {
     // cannot be synced now keeps it, for the next open to remove).
     restore(dir);
     Ok(records)
-}
-
-/// The files of `dir` and `dir/blobs`, then the folders, made durable.
-fn sync_folder(dir: &Path) -> std::io::Result<()> {
-    for folder in [dir.join("blobs"), dir.to_path_buf()] {
-        if !folder.exists() {
-            continue;
-        }
-        for entry in std::fs::read_dir(&folder)? {
-            let entry = entry?;
-            if entry.file_type()?.is_file() {
-                std::fs::File::open(entry.path())?.sync_all()?;
-            }
-        }
-        std::fs::File::open(&folder)?.sync_all()?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -170,16 +170,21 @@ pub(super) fn open_db(dir: &Path) -> Result<sled::Db, sled::Error> {
     }
 }
 
-/// Make a folder sled just created durable: its files' contents, its entries, and its own entry
-/// in its parent.
-fn sync_new_folder(dir: &Path) -> std::io::Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        let entry = entry?;
-        if entry.file_type()?.is_file() {
-            std::fs::File::open(entry.path())?.sync_all()?;
+/// Make a folder sled just created (or `compact` just filled) durable: its files' contents and
+/// those of its `blobs` folder, their entries, and its own entry in its parent.
+pub(super) fn sync_new_folder(dir: &Path) -> std::io::Result<()> {
+    for folder in [dir.join("blobs"), dir.to_path_buf()] {
+        if !folder.exists() {
+            continue;
         }
+        for entry in std::fs::read_dir(&folder)? {
+            let entry = entry?;
+            if entry.file_type()?.is_file() {
+                std::fs::File::open(entry.path())?.sync_all()?;
+            }
+        }
+        std::fs::File::open(&folder)?.sync_all()?;
     }
-    std::fs::File::open(dir)?.sync_all()?;
     match dir.parent().filter(|p| !p.as_os_str().is_empty()) {
         Some(parent) => std::fs::File::open(parent)?.sync_all(),
         None => Ok(()),
