@@ -21,7 +21,7 @@
 //! `--npy` also writes `npy/<split>/` as copies of the merged rows (the only copies merge makes).
 
 use crate::config::{FeatureSettings, HdfNames, SPLITS};
-use crate::output::hdf5::read_text_attr;
+use crate::output::hdf5::{create_text_attr, read_text_attr};
 use crate::output::npy::NpySink;
 use crate::output::read::{read_rows, Id};
 use crate::output::{label2id_json, labels_json, OutputHeader, RowMeta, SplitSink};
@@ -32,7 +32,7 @@ use anyhow::{bail, Context, Result};
 use hdf5::dataset::Layout;
 use hdf5::file::{FileAccess, LibraryVersion, OpenMode};
 use hdf5::plist::DatasetCreate;
-use hdf5::types::{TypeDescriptor, VarLenUnicode};
+use hdf5::types::TypeDescriptor;
 use hdf5::{Dataset, File, Hyperslab, Selection, SliceOrIndex};
 use hdf5_sys::h5d::H5Dget_type;
 use hdf5_sys::h5p::H5P_DEFAULT;
@@ -702,12 +702,7 @@ fn write_merged(
             ),
         ];
         for (name, value) in attrs {
-            let v: VarLenUnicode = value
-                .parse()
-                .map_err(|e| anyhow::anyhow!("attribute {name}: {e}"))?;
-            file.new_attr::<VarLenUnicode>()
-                .create(name)?
-                .write_scalar(&v)?;
+            create_text_attr(&file, name, &value).with_context(|| format!("attribute {name}"))?;
         }
         file.new_attr::<u32>()
             .create("schema_version")?

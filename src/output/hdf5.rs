@@ -223,17 +223,7 @@ impl Hdf5Sink {
             .create("committed_rows")?;
         committed_ds.write(&[0i64])?;
         for (name, value) in header_attributes(header) {
-            if LABEL_ATTRS.contains(&name) {
-                let capacity = (2 * value.len()).max(LABEL_ATTR_MIN_BYTES);
-                file.new_attr_builder()
-                    .empty_as(TypeDescriptor::FixedUnicode(capacity))
-                    .create(name)?;
-                write_fixed_text_attr(&file, name, &value)?;
-            } else {
-                file.new_attr::<VarLenUnicode>()
-                    .create(name)?
-                    .write_scalar(&vlen(&value)?)?;
-            }
+            create_text_attr(&file, name, &value)?;
         }
         file.new_attr::<u32>()
             .create("schema_version")?
@@ -1176,6 +1166,25 @@ pub fn clear_status_flags(path: &Path) -> Result<()> {
 
 /// The attributes rewritten by [`Hdf5Sink::set_labels`] (fixed-length, see the module notes).
 const LABEL_ATTRS: [&str; 2] = ["labels_json", "label2id_json"];
+
+/// Create the string attribute `name` holding `value`, of the type every output file gives it
+/// (the module notes): the label attributes fixed-length with room to grow, the others
+/// variable-length. Also used by `merge`, so that a reader gets the same Python types from a
+/// merged file as from the service's.
+pub fn create_text_attr(file: &File, name: &str, value: &str) -> Result<()> {
+    if LABEL_ATTRS.contains(&name) {
+        let capacity = (2 * value.len()).max(LABEL_ATTR_MIN_BYTES);
+        file.new_attr_builder()
+            .empty_as(TypeDescriptor::FixedUnicode(capacity))
+            .create(name)?;
+        write_fixed_text_attr(file, name, value)
+    } else {
+        file.new_attr::<VarLenUnicode>()
+            .create(name)?
+            .write_scalar(&vlen(value)?)?;
+        Ok(())
+    }
+}
 
 /// Read a string attribute, variable- or fixed-length (NUL padding removed). Also used by
 /// `merge` to read its inputs' attributes.

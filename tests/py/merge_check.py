@@ -84,9 +84,14 @@ def same(spec):
             else:
                 assert virtual[k] == (c > 0), f"{path}:{k} virtual={virtual[k]} with {c} rows"
         assert not virtual["committed_rows"]
+        _, _, ref_attrs, _, _ = read(os.path.join(spec["reference"], name))
         for k in ("labels_json", "label2id_json", "config_json", "created_at_utc",
                   "ailhd_version", "schema_version", "feature_fingerprint"):
             assert k in attrs, f"{path}: no attribute {k}"
+            # A reader's code (`.decode()` of the label list, say) works on both files alike.
+            assert type(attrs[k]) is type(ref_attrs[k]), \
+                f"{path}: attribute {k} reads as {type(attrs[k]).__name__}, " \
+                f"{type(ref_attrs[k]).__name__} in one rebuild's file"
         dump = spec.get("h5dump", {}).get(name)
         if dump:
             for col, bin_path in dump.items():
