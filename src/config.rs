@@ -592,7 +592,20 @@ fn from_environment(
             origin: Some(origin),
             key: Some(key),
         } if origin == ENVIRONMENT => (key, error.to_string()),
-        _ => return None,
+        // A value none of an enum's ("enum DeviceChoice does not have variant constructor gpu
+        // for key `ingest.device`"), which `config` reports without its origin: the override's
+        // when one sets that key (it wins over the file).
+        _ => {
+            let message = e.to_string();
+            let (_, after) = message.split_once(" for key ")?;
+            let key = after.trim().trim_matches('`').to_string();
+            let key_of = |var: &str| var["AILHD_".len()..].to_lowercase().replace("__", ".");
+            let var = overrides.keys().find(|var| key_of(var) == key)?;
+            return Some(ConfigError::Env {
+                var: var.clone(),
+                message: with_accepted_values(message),
+            });
+        }
     };
     let var = format!("AILHD_{}", key.to_uppercase().replace('.', "__"));
     Some(ConfigError::Env {
@@ -849,12 +862,38 @@ impl Settings {
     /// folders, and the metrics textfile's folder, exist and are writable, or can be created
     /// (tested by creating and removing a probe file; nothing else is created). The error names
     /// the key and the path. What only the configuration can mend (a missing recordings folder,
-    /// no permission, a read-only file system, a file where a folder belongs) is a
+    /// which `run` waits for instead: [`Settings::check_paths_for_run`]; no permission, a
+    /// read-only file system, a file where a folder belongs) is a
     /// [`ConfigError`]; a condition that may pass (an I/O error, a full disk, a file system that
     /// does not answer) is a [`PathUnavailable`], which `run` reports as a run-time failure
     /// (exit 1: systemd restarts it).
     pub fn check_paths(&self) -> Result<(), PathsError> {
         self.check_data_folders()?;
+        self.check_metrics_folder()
+    }
+
+    /// [`Settings::check_paths`] for the service, which waits for a recordings folder that is
+    /// not there (a disk not mounted yet at boot) instead of refusing to start: it says so in
+    /// the log and starts watching the folder once it appears (docs/operations.md). Anything
+    /// else wrong with it is refused as `check-config` refuses it.
+    pub fn check_paths_for_run(&self) -> Result<(), PathsError> {
+        let rec = &self.paths.recordings;
+        match std::fs::symlink_metadata(rec) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                log::warn!(
+                    "paths.recordings = {}: no such folder (is its disk mounted?); the service \
+                     starts and takes recordings once it is there",
+                    rec.display()
+                );
+                check_writable_dir("paths.output", &self.paths.output, true)?;
+                check_writable_dir("paths.state", &self.paths.state, true)?;
+                self.check_metrics_folder()
+            }
+            _ => self.check_paths(),
+        }
+    }
+
+    fn check_metrics_folder(&self) -> Result<(), PathsError> {
         if let Some(t) = &self.metrics.textfile {
             let dir = t.parent().unwrap_or(Path::new("/"));
             check_writable_dir("metrics.textfile", dir, false)?;
@@ -868,11 +907,16 @@ impl Settings {
         let rec = &self.paths.recordings;
         match std::fs::metadata(rec) {
             Err(e) => {
+                let waits = if e.kind() == std::io::ErrorKind::NotFound {
+                    " (`ailhd run` starts all the same and waits for it, as for a disk not mounted yet)"
+                } else {
+                    ""
+                };
                 return Err(path_error(
                     "paths.recordings",
-                    format!("{}: {}", rec.display(), io_reason(&e)),
+                    format!("{}: {}{waits}", rec.display(), io_reason(&e)),
                     &e,
-                ))
+                ));
             }
             Ok(m) if !m.is_dir() => {
                 return Err(invalid(

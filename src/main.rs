@@ -237,7 +237,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             // Tests hold the start here to signal it while it configures (tests/daemon.rs).
             fail::fail_point!("run-configure");
             let s = load_settings(&cli)?;
-            s.check_paths()?;
+            s.check_paths_for_run()?;
             ailhd::service::run(s, cli.config.clone())
         }
     }

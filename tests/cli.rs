@@ -119,6 +119,20 @@ fn environment_overrides_and_config_search_order() {
             && !err.contains("configuration file"),
         "{err}"
     );
+    // And a value none of a setting's accepted ones.
+    let o = world
+        .cmd(&["check-config"])
+        .env("AILHD_INGEST__DEVICE", "gpu")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("environment variable AILHD_INGEST__DEVICE")
+            && err.contains("\"cuda\"")
+            && !err.contains("configuration file"),
+        "{err}"
+    );
     let o = world
         .cmd(&["check-config"])
         .env("AILHD_PATHS__OUTPUT", "/tmp/elsewhere")

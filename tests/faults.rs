@@ -488,6 +488,41 @@ fn an_unmounted_recordings_disk_is_not_taken_as_every_recording_deleted() {
     drop(disk);
 }
 
+/// A recordings folder that is not there when the service starts (its disk not mounted yet at
+/// boot, the folder on it) does not keep the service down: `run` starts, says why it takes
+/// nothing, and watches the folder once it appears (it looks every 10 s), without a restart.
+/// `check-config` still refuses the missing folder, saying that `run` waits for it.
+#[test]
+#[serial]
+fn a_recordings_folder_missing_at_start_is_waited_for() {
+    let world = World::new(FAST);
+    let rec = world.rec();
+    std::fs::remove_dir(&rec).unwrap();
+    let checked = world.run(&["check-config"]);
+    let said = String::from_utf8_lossy(&checked.stderr).to_string();
+    assert_eq!(checked.status.code(), Some(2), "{said}");
+    assert!(said.contains("waits for it"), "{said}");
+    let svc = Service::start(&world);
+    assert!(
+        svc.log().contains("no such folder (is its disk mounted?)"),
+        "{}",
+        svc.log()
+    );
+    std::fs::create_dir_all(rec.join("LEAK")).unwrap();
+    add(&world, 0..3);
+    svc.wait("the recordings of the folder that appeared", |s| {
+        committed(s) == 3
+    });
+    // And one more, seen by the watches set up on it.
+    let t = std::time::Instant::now();
+    add(&world, 3..4);
+    svc.wait("the next one committed", |s| committed(s) == 4);
+    assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
+    let log = svc.terminate();
+    assert_eq!(log.matches("is there now").count(), 1, "{log}");
+    compare_with_rebuild(&world);
+}
+
 /// Open every split's file as plain (non-SWMR) readers do, with h5py and with HDF5 1.10's
 /// h5dump, and check every dataset has exactly committed_rows rows.
 fn plain_readers_open(world: &World) -> String {

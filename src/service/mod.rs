@@ -237,7 +237,12 @@ fn open_and_watch(
         Err(e) if !crate::engine::may_pass(&e) => return Err(e),
         other => other,
     };
-    Ok((engine, watcher?, listed))
+    let watcher = match watcher {
+        // Not there (yet): the folder is watched once it appears (`EventLoop::check_root`).
+        Err(_) if !root.exists() => Watcher::waiting(root),
+        other => other?,
+    };
+    Ok((engine, watcher, listed))
 }
 
 fn new_settler(settings: &Settings) -> Settler {
@@ -499,22 +504,35 @@ impl EventLoop {
             return;
         }
         match Watcher::start(&self.root, self.watch_tx.clone()) {
+            Ok(watcher) if self.root_id.is_none() => {
+                log::warn!(
+                    "the recordings folder {} is there now: watching it and comparing it with the manifest",
+                    self.root.display()
+                );
+                self.rewatched(watcher, id);
+            }
             Ok(watcher) => {
                 log::warn!(
                     "the recordings folder {} is another folder now (a disk mounted on it or taken away, or the folder made anew): watching it anew and comparing it with the manifest",
                     self.root.display()
                 );
-                std::mem::replace(&mut self.watcher, watcher).stop();
-                self.root_id = Some(id);
-                *self
-                    .shared
-                    .unwatched
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner()) = self.watcher.unwatched();
-                self.send(Work::Rescan);
+                self.rewatched(watcher, id);
             }
             Err(e) => log::warn!("cannot watch the recordings folder again yet: {e}"),
         }
+    }
+
+    /// Watch the recordings folder with `watcher` from now on (its device and inode are `id`),
+    /// and compare the tree with the manifest: events until now were missed.
+    fn rewatched(&mut self, watcher: Watcher, id: (u64, u64)) {
+        std::mem::replace(&mut self.watcher, watcher).stop();
+        self.root_id = Some(id);
+        *self
+            .shared
+            .unwatched
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = self.watcher.unwatched();
+        self.send(Work::Rescan);
     }
 
     /// Folders a watch limit left unwatched: try again, and rescan meanwhile (after a success

@@ -87,6 +87,11 @@ pub fn scan(root: &Path) -> anyhow::Result<Listing> {
 /// [`scan`] on at most `threads` threads (and the cores the process may use).
 pub fn scan_on(root: &Path, threads: usize) -> anyhow::Result<Listing> {
     anyhow::ensure!(
+        root.exists(),
+        "the recordings folder {} is not there (is its disk mounted?)",
+        root.display()
+    );
+    anyhow::ensure!(
         root.is_dir(),
         "paths.recordings = {} is not a folder (set it in the configuration)",
         root.display()

@@ -295,6 +295,19 @@ impl Watcher {
         })
     }
 
+    /// A watcher of `root` that watches nothing yet: for a recordings folder that is not there
+    /// when the service starts (a disk not mounted yet). The service starts a real one once the
+    /// folder appears ([`Watcher::start`]).
+    pub fn waiting(root: &Path) -> Watcher {
+        Watcher {
+            unwatched: Unwatched::default(),
+            root: std::path::absolute(root).unwrap_or_else(|_| root.to_path_buf()),
+            notify: Arc::new(Mutex::new(None)),
+            stopping: Arc::new(AtomicBool::new(false)),
+            worker: None,
+        }
+    }
+
     /// The watched root, made absolute. Event paths are relative to it.
     pub fn root(&self) -> &Path {
         &self.root
