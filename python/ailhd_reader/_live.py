@@ -22,8 +22,14 @@ How it reads, and why:
   past the committed count it knows catches up by itself (it reads only the committed count and,
   for HDF5, the addresses of the chunks that are new), so the main process and the workers
   serve exactly the rows the main process drew. Plain positions (`ds[i]`, 0 <= i < len) are the
-  positions of the process's own snapshot; a worker asked for a position past its snapshot
-  refreshes itself (incrementally) instead of failing.
+  positions of the snapshot of the process that last called `refresh()` (the trainer's main
+  process, whose sampler drew them): `refresh()` publishes its snapshot as keys to a file in the
+  temporary folder (8 bytes a row, written only when the snapshot changed, removed when the
+  dataset goes), and a DataLoader worker maps positions through the latest one it finds there
+  (one `stat` per batch), so a plain shuffled sampler gets exactly the rows and labels of the
+  main process's snapshot even after rows dropped out or changed label. Without that file (it
+  could not be written), a worker serves positions of its own snapshot and refreshes itself when
+  asked for a position past it.
 - `committed_rows` (HDF5) or `attributes.json` and the npy headers (npy) are read first, then
   the other columns: rows below the committed count are complete; rows past it are never served.
 - Features are read straight from the files: for npy at `header + row * row_bytes`; for HDF5 at
@@ -70,10 +76,13 @@ import io
 import json
 import mmap
 import os
+import secrets
 import sys
+import tempfile
 import threading
 import time
 import warnings
+import weakref
 
 import numpy as np
 
@@ -221,6 +230,13 @@ class LiveDataset:
         self._files = None
         self._pid = None
         self._home = None  # the process whose refresh() made the snapshot
+        # The snapshot as keys, published for this process's DataLoader workers (see the module
+        # notes): the file, the arrays it was written from, and, in a worker, what was read.
+        self._token = secrets.token_hex(8)
+        self._shared_path = None
+        self._shared_of = None
+        self._shared_keys = None
+        self._shared_stamp = None
         self.refresh()
 
     # ----- the map-style dataset -----
@@ -233,10 +249,9 @@ class LiveDataset:
             raise TypeError(f"LiveDataset indices are integers, not {type(i).__name__}")
         if is_key(i):
             b = self._read_keys(np.array([i], np.int64))
-            return b.features[0], int(b.labels[0])
-        i = self._index(i)
-        feats = self._read_positions(np.array([i], np.int64)).features[0]
-        return feats, int(self._targets[i])
+        else:
+            b = self._read_positions(np.array([i], np.int64))
+        return b.features[0], int(b.labels[0])
 
     def __getitems__(self, indices):
         """A whole batch in one read (PyTorch's DataLoader calls this when it exists): positions
@@ -289,6 +304,9 @@ class LiveDataset:
         ("" when the file name does not follow the convention), `recorded_at` (Unix seconds UTC,
         -1 when absent), `gain_db` (NaN when absent) and `blake3` (hex). Read now, so a row moved
         to another path or label since the last refresh shows its new path."""
+        home = None if is_key(i) else self._home_keys()
+        if home is not None:
+            i = int(home[_position(i, len(home))])
         if is_key(i):
             rows, labels, tags = split_keys([i])
             row, label = int(rows[0]), int(labels[0])
@@ -316,7 +334,9 @@ class LiveDataset:
         start of each epoch. If a `rebuild` replaced the files, it starts over and returns the
         number of rows now visible."""
         self._home = os.getpid()
-        return self._refresh()
+        gained = self._refresh()
+        self._publish()
+        return gained
 
     def _refresh(self):
         files = self._open(check=False)
@@ -384,10 +404,56 @@ class LiveDataset:
                           "rows past it as withdrawn", stacklevel=4)
         return cols
 
+    def _publish(self):
+        """Write this snapshot's keys for the DataLoader workers of this process (see the module
+        notes), when it changed since it was last written. A failure only costs the workers'
+        exactness for plain positions: it is warned about once, not raised."""
+        if self._shared_of is not None and self._shared_of[0] is self._rows \
+                and self._shared_of[1] is self._targets and self._shared_of[2] == self._identity:
+            return
+        pid = os.getpid()
+        path = os.path.join(tempfile.gettempdir(),
+                            f"ailhd-reader-{pid}-{self._token}-{self.split}.keys")
+        try:
+            part = f"{path}.part"
+            self.keys.tofile(part)
+            os.replace(part, path)
+        except (OSError, ValueError) as e:
+            if self._shared_path != "failed":
+                warnings.warn(f"{self.path}: cannot publish the snapshot for DataLoader workers "
+                              f"({e}); they serve plain positions of their own snapshots",
+                              stacklevel=3)
+            self._shared_path = "failed"
+            return
+        if self._shared_path != path:
+            weakref.finalize(self, _remove_published, path, pid)
+        self._shared_path = path
+        self._shared_of = (self._rows, self._targets, self._identity)
+
+    def _home_keys(self):
+        """In a process other than the one whose `refresh()` made the snapshot (a DataLoader
+        worker): that process's snapshot as keys, as last published; None where there is none
+        (then positions are this process's own)."""
+        path = self._shared_path
+        if path is None or path == "failed" or os.getpid() == self._home:
+            return None
+        try:
+            st = os.stat(path)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if stamp != self._shared_stamp:
+                self._shared_keys = np.fromfile(path, np.int64)
+                self._shared_stamp = stamp
+        except OSError:
+            return None
+        return self._shared_keys
+
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_files"] = None
         state["_pid"] = None
+        state["_shared_of"] = None
+        state["_shared_keys"] = None
+        state["_shared_stamp"] = None
         return state
 
     def __repr__(self):
@@ -488,6 +554,12 @@ class LiveDataset:
         return files
 
     def _read_positions(self, idx):
+        home = self._home_keys()
+        if home is not None and idx.size:
+            n = len(home)
+            if int(idx.min()) < -n or int(idx.max()) >= n:
+                raise IndexError(f"index out of range for {n} rows")
+            return self._read_keys(home[np.where(idx < 0, idx + n, idx)])
         n = len(self._rows)
         if idx.size:
             lo, hi = int(idx.min()), int(idx.max())
@@ -512,6 +584,23 @@ class LiveDataset:
             raise ValueError("a batch mixes keys of different files")
         files = self._files_for_tag(tag, int(rows.max()) + 1)
         return Batch(files.gather(rows), labels, rows)
+
+
+def _position(i, n):
+    """Position i (negative from the end) among n, or IndexError."""
+    if not -n <= i < n:
+        raise IndexError(f"index {i} out of range for {n} rows")
+    return int(i) + n if i < 0 else int(i)
+
+
+def _remove_published(path, pid):
+    """Remove a snapshot file `_publish` wrote, in the process that wrote it only (a forked
+    worker inherits the finalizer)."""
+    if os.getpid() == pid:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
 
 
 def _text(v):

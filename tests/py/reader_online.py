@@ -30,7 +30,7 @@ except ImportError:
                      "real DataLoader")
 
 from ailhd_reader import Batch, LiveDataset, LiveSampler
-from reader_util import fail, h5_truth, same_bits
+from reader_util import fail, h5_truth, same_bits, text
 
 BIN, CONFIG, OUT, REC, POOL, STATE = sys.argv[1:7]
 SOURCES = ("npy", "hdf5")
@@ -231,27 +231,61 @@ def online(source, persistent, ctx):
     return loader
 
 
-def plain_shuffle(source):
-    """The upstream loop: shuffle=True, persistent workers, refresh() between epochs. Workers
-    behind the main process's snapshot refresh by themselves: no IndexError, and every epoch
-    serves len(ds) valid rows."""
+def drop_and_relabel():
+    """Delete one recording of the training split and move another into another label's folder
+    (its row keeps its place and takes that label): rows drop out of the snapshot and positions
+    shift. Returns (the deleted one's row, the moved one's row and its new label id)."""
+    t = h5_truth(OUT, "training")
+    rels = {r: text(t["source_path"][r]) for r in t["visible"]}
+    # Recordings of the pool's, whose file name no other label folder holds.
+    ours = [r for r, rel in rels.items() if rel in POOL_FILES]
+    gone, moved = ours[0], ours[len(ours) // 2]
+    os.remove(os.path.join(REC, rels[gone]))
+    label, name = rels[moved].split("/", 1)
+    other = next(n for n in t["names"] if n != label and
+                 not os.path.exists(os.path.join(REC, n, name)))
+    os.makedirs(os.path.join(REC, other), exist_ok=True)
+    os.replace(os.path.join(REC, rels[moved]), os.path.join(REC, other, name))
+    return gone, moved, t["names"].index(other)
+
+
+def plain_shuffle(source, ctx):
+    """The upstream loop: shuffle=True, persistent workers, refresh() between epochs. Each epoch
+    serves exactly the rows of the main process's snapshot, with their labels, also after rows
+    dropped out and changed label while the workers kept older snapshots (no IndexError either:
+    workers behind it catch up)."""
     ds = LiveDataset(OUT, "training", source)
     loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, persistent_workers=True,
-                        prefetch_factor=2, multiprocessing_context="fork",
+                        prefetch_factor=2, multiprocessing_context=ctx,
                         collate_fn=collate_rows)
-    for epoch in range(3):
+    what = f"plain loop ({source}, {ctx})"
+    for epoch in range(4):
         deliver(3)
-        wait_committed(f"plain loop ({source}): before epoch {epoch}")
+        invalid, relabelled = (), None
+        if epoch >= 2:
+            gone, moved, label = drop_and_relabel()
+            invalid, relabelled = (gone,), (moved, label)
+        t = wait_committed(f"{what}: before epoch {epoch}", invalid)
+        while relabelled and t["labels"][relabelled[0]] != relabelled[1]:
+            time.sleep(0.05)
+            t = wait_committed(f"{what}: the move before epoch {epoch}", invalid)
         ds.refresh()
-        n = len(ds)
+        if not np.array_equal(ds.rows, t["visible"]):
+            fail(f"{what}, epoch {epoch}: the snapshot is not the valid committed rows")
         rows, labels, feats = run_epoch(loader)
-        t = h5_truth(OUT, "training")
-        if len(rows) != n or not set(rows.tolist()) <= set(t["visible"].tolist()):
-            fail(f"plain loop ({source}), epoch {epoch}: {len(rows)} rows served for {n}")
+        order = np.argsort(rows)
+        if not np.array_equal(rows[order], t["visible"]):
+            extra = sorted(set(rows.tolist()) - set(t["visible"].tolist()))[:10]
+            missing = sorted(set(t["visible"].tolist()) - set(rows.tolist()))[:10]
+            fail(f"{what}, epoch {epoch}: served {len(rows)} rows for {len(t['visible'])}; "
+                 f"not valid {extra}, valid not served {missing}")
+        if not np.array_equal(labels, t["labels"][rows]):
+            bad = int(np.count_nonzero(labels != t["labels"][rows]))
+            fail(f"{what}, epoch {epoch}: {bad} rows served with another label than theirs")
         if not same_bits(feats, t["segments_mel"][rows]):
-            fail(f"plain loop ({source}): features differ from h5py's")
-    print(f"plain shuffled DataLoader ({source}), persistent workers, refresh() between epochs: "
-          "no IndexError")
+            fail(f"{what}: features differ from h5py's")
+    print(f"{what}, persistent workers, refresh() between epochs, rows dropped out and "
+          "relabelled: each epoch exactly the main process's snapshot")
 
 
 def service_events(source, svc):
@@ -420,8 +454,8 @@ def main():
             for persistent in (True, False):
                 for ctx in ("fork", "spawn"):
                     online(source, persistent, ctx)
-        for source in SOURCES:
-            plain_shuffle(source)
+        for source, ctx in zip(SOURCES, ("fork", "spawn")):
+            plain_shuffle(source, ctx)
         for source in SOURCES:
             svc = service_events(source, svc)
         replay()

@@ -318,6 +318,35 @@ def read_item(args):
     return ds[i][0]
 
 
+_HELD = None
+
+
+def _hold(ds):
+    global _HELD
+    _HELD = ds
+
+
+def held_item(i):
+    return _HELD[i][0]
+
+
+def in_held_worker(ds, i, then, seconds, dip):
+    """A persistent DataLoader worker: a forked process that keeps ds as it was when it started
+    (and has read from it), while the main process refreshes ds once then() has restored the
+    count (the sampler's refresh) and dip() lowers it again; then ds[i], a position of the main
+    process's newer snapshot, read in the worker while then() runs on a thread after `seconds`.
+    Returns (features, seconds the read took)."""
+    with mp.get_context("fork").Pool(1, initializer=_hold, initargs=(ds,)) as pool:
+        pool.apply(held_item, (0,))
+        then()
+        ds.refresh()
+        dip()
+        timer = later(seconds, then)
+        got, took = timed(lambda: pool.apply(held_item, (i,)))
+        timer.join()
+    return got, took
+
+
 def in_worker(ds, i, then, seconds):
     """ds[i]'s features read in a forked worker process (its own files, opened there), while
     then() runs on a thread after `seconds`; returns (features, seconds the read took)."""
@@ -375,7 +404,8 @@ def count_dip(out, scratch, rng):
         small = LiveDataset(d, "training", source, wait_s=30)
         if len(small) >= n:
             fail(f"{source}: a dataset opened at a count of {low} has {len(small)} rows")
-        got, took = in_worker(small, n - 1, lambda: set_committed(d, source, n_rows), back)
+        got, took = in_held_worker(small, n - 1, lambda: set_committed(d, source, n_rows), back,
+                                   lambda: set_committed(d, source, low))
         if not same_bits(got, want) or took < back * 0.8:
             fail(f"{source}: a worker asked for a position past its snapshot during a dip took "
                  f"{took:.2f} s or read other bytes")
