@@ -234,7 +234,8 @@ class LiveDataset:
         # notes): the file, the arrays it was written from, and, in a worker, what was read.
         self._token = secrets.token_hex(8)
         self._shared_path = None
-        self._shared_of = None
+        self._shared_n = 0  # keys in the file; the snapshot's first rows when _shared_ok
+        self._shared_ok = False
         self._shared_keys = None
         self._shared_stamp = None
         self.refresh()
@@ -376,6 +377,7 @@ class LiveDataset:
             now = valid != 0
             gained = int(np.count_nonzero(now & ~was))
             self._rows = np.flatnonzero(now).astype(np.int64)
+            self._shared_ok = False  # not only appended: the published keys are written anew
             self._targets = labels[self._rows].astype(np.int64)
         if committed < self._committed:
             # Rows taken back: their chunks may have been freed and written elsewhere since.
@@ -406,29 +408,38 @@ class LiveDataset:
 
     def _publish(self):
         """Write this snapshot's keys for the DataLoader workers of this process (see the module
-        notes), when it changed since it was last written. A failure only costs the workers'
-        exactness for plain positions: it is warned about once, not raised."""
-        if self._shared_of is not None and self._shared_of[0] is self._rows \
-                and self._shared_of[1] is self._targets and self._shared_of[2] == self._identity:
-            return
+        notes), when it changed since they were last written: only the new rows' keys when rows
+        were only appended (a refresh after new rows costs what they cost), else the whole
+        snapshot, replaced at once. A failure only costs the workers' exactness for plain
+        positions: it is warned about once, not raised."""
+        n = len(self._rows)
         pid = os.getpid()
         path = os.path.join(tempfile.gettempdir(),
                             f"ailhd-reader-{pid}-{self._token}-{self.split}.keys")
+        tag = _tag(self._identity)
         try:
-            part = f"{path}.part"
-            self.keys.tofile(part)
-            os.replace(part, path)
+            if path == self._shared_path and self._shared_ok and self._shared_n <= n:
+                if self._shared_n < n:
+                    with open(path, "ab") as f:
+                        f.write(make_keys(self._rows[self._shared_n:],
+                                          self._targets[self._shared_n:], tag).tobytes())
+            else:
+                part = f"{path}.part"
+                make_keys(self._rows, self._targets, tag).tofile(part)
+                os.replace(part, path)
         except (OSError, ValueError) as e:
             if self._shared_path != "failed":
                 warnings.warn(f"{self.path}: cannot publish the snapshot for DataLoader workers "
                               f"({e}); they serve plain positions of their own snapshots",
                               stacklevel=3)
             self._shared_path = "failed"
+            self._shared_ok = False
             return
         if self._shared_path != path:
             weakref.finalize(self, _remove_published, path, pid)
         self._shared_path = path
-        self._shared_of = (self._rows, self._targets, self._identity)
+        self._shared_n = n
+        self._shared_ok = True
 
     def _home_keys(self):
         """In a process other than the one whose `refresh()` made the snapshot (a DataLoader
@@ -451,7 +462,6 @@ class LiveDataset:
         state = self.__dict__.copy()
         state["_files"] = None
         state["_pid"] = None
-        state["_shared_of"] = None
         state["_shared_keys"] = None
         state["_shared_stamp"] = None
         return state
@@ -461,7 +471,13 @@ class LiveDataset:
                 f"{len(self)} rows of {self._row_shape}, committed {self._committed}, "
                 f"{'direct' if self.direct else 'h5py'} reads)")
 
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        # A copy publishes a snapshot of its own (copy.deepcopy in the same process, say).
+        self._token = secrets.token_hex(8)
+
     def _forget(self):
+        self._shared_ok = False  # other files: every key changes
         self._committed = 0
         self._valid = np.empty(0, np.uint8)
         self._label_col = np.empty(0, np.int16)
