@@ -170,6 +170,7 @@ fn check_set(
 }
 
 /// One split file of one input, as [`settle`] reads it.
+#[derive(Clone)]
 pub struct FileRows<'a> {
     pub blake3: &'a [[u8; 32]],
     pub valid: &'a [u8],
@@ -321,12 +322,17 @@ fn conflict(
     if labels.all(|l| l == first) {
         return None;
     }
+    // The same path with the same label in several inputs (a tree's shards merged with a
+    // rebuild of that tree, say) is listed once.
+    let mut listed = Vec::<crate::status::LabelledPath>::new();
+    for ((_, _, path), label) in paths {
+        if !listed.iter().any(|l| l.path == path && l.label == label) {
+            listed.push(crate::status::LabelledPath { path, label });
+        }
+    }
     Some(LabelConflict {
         blake3: crate::identity::hex(hash),
-        paths: paths
-            .into_iter()
-            .map(|((_, _, path), label)| crate::status::LabelledPath { path, label })
-            .collect(),
+        paths: listed,
     })
 }
 
@@ -512,6 +518,31 @@ mod tests {
         })
         .collect();
         assert_eq!(s.conflicts[0].paths, want);
+        // The two shards and a rebuild of the same tree (another input, as another host's): x
+        // there again at NORMAL/b.wav, listed once.
+        let h2 = [x];
+        let mut three = files.clone();
+        three.push([
+            FileRows {
+                blake3: &h2,
+                valid: &[1],
+                labels: &[1],
+                paths: &p0,
+                path_bytes: 16,
+                shared: &[],
+            },
+            empty(),
+            empty(),
+        ]);
+        let mixed = group(&inputs(vec![
+            Some(record(0, 2, "/t")),
+            Some(record(1, 2, "/t")),
+            None,
+        ]))
+        .unwrap();
+        let s = settle(&three, &mixed, &names);
+        assert_eq!(s.conflicts.len(), 1);
+        assert_eq!(s.conflicts[0].paths, want, "each path and label once");
         // The same files as outputs of two hosts: the first input keeps x.
         let hosts = group(&inputs(vec![None, None])).unwrap();
         let s = settle(&files, &hosts, &names);
