@@ -236,6 +236,32 @@ impl FeatureSettings {
         self.f_max.unwrap_or(self.sample_rate as f64 / 2.0)
     }
 
+    /// The same settings with `f_max` written out at its default (`sample_rate / 2`) taken as
+    /// unset: the same features, so the same fingerprint as a configuration that leaves it out.
+    pub fn canonical(mut self) -> Self {
+        if self.f_max == Some(self.sample_rate as f64 / 2.0) {
+            self.f_max = None;
+        }
+        self
+    }
+
+    /// Whether outputs whose `feature_fingerprint` is `stored` hold rows of these settings: the
+    /// fingerprint of the settings, or of the same with the default `f_max` written out (as
+    /// ailhd wrote it before it took such a configuration as [`FeatureSettings::canonical`]).
+    pub fn made(&self, stored: &str) -> bool {
+        if stored == self.fingerprint() {
+            return true;
+        }
+        let nyquist = self.sample_rate as f64 / 2.0;
+        self.f_max.is_none()
+            && stored
+                == FeatureSettings {
+                    f_max: Some(nyquist),
+                    ..self.clone()
+                }
+                .fingerprint()
+    }
+
     /// Shapes derived from the settings (integer division, as in the contract).
     pub fn shape(&self) -> FeatureShape {
         let num_samples = (self.sample_rate as f64 * self.duration_sec).round() as usize;
@@ -736,7 +762,8 @@ impl Settings {
             (None, None) => ConfigError::Parse(with_accepted_values(e.to_string())),
         };
         let built = builder.build().map_err(source)?;
-        let settings: Settings = built.try_deserialize().map_err(source)?;
+        let mut settings: Settings = built.try_deserialize().map_err(source)?;
+        settings.features = settings.features.canonical();
         settings.validate()?;
         Ok(settings)
     }
@@ -747,9 +774,10 @@ impl Settings {
             .add_source(config::File::from_str(text, config::FileFormat::Toml))
             .build()
             .map_err(|e| ConfigError::Parse(e.to_string()))?;
-        let settings: Settings = built
+        let mut settings: Settings = built
             .try_deserialize()
             .map_err(|e| ConfigError::Parse(e.to_string()))?;
+        settings.features = settings.features.canonical();
         settings.validate()?;
         Ok(settings)
     }
@@ -1133,6 +1161,27 @@ mod tests {
         b.n_mels = 32;
         assert_ne!(a.fingerprint(), b.fingerprint());
         assert_eq!(a.fingerprint(), FeatureSettings::default().fingerprint());
+    }
+
+    /// `f_max` written out at its default (config/ailhd.toml's comment says `2048.0`) is the
+    /// default: the same fingerprint as leaving it out, so existing outputs take it. Outputs
+    /// made while such a configuration kept its own fingerprint are taken too, and another
+    /// f_max still differs.
+    #[test]
+    fn the_default_f_max_written_out_is_the_default() {
+        let written = Settings::from_toml_str("[features]\nf_max = 2048.0\n").unwrap();
+        let default = FeatureSettings::default();
+        assert_eq!(written.features.fingerprint(), default.fingerprint());
+        let before = FeatureSettings {
+            f_max: Some(2048.0),
+            ..default.clone()
+        };
+        assert_ne!(before.fingerprint(), default.fingerprint());
+        assert!(default.made(&before.fingerprint()));
+        let other = Settings::from_toml_str("[features]\nf_max = 2000.0\n").unwrap();
+        assert!(!other.features.made(&default.fingerprint()));
+        assert!(!other.features.made(&before.fingerprint()));
+        assert!(!default.made(&other.features.fingerprint()));
     }
 }
 

@@ -989,7 +989,7 @@ fn check_layout(path: &Path, file: &File, header: &OutputHeader) -> Result<Vec<S
     super::check_output_version(path, schema)?;
     let fingerprint = read_text_attr(file, "feature_fingerprint")
         .map_err(|e| incompatible(path, format_args!("no readable feature_fingerprint ({e})")))?;
-    if fingerprint != header.features.fingerprint() {
+    if !header.features.made(&fingerprint) {
         let stored = read_text_attr(file, "config_json").ok();
         super::check_features(path, &fingerprint, stored.as_deref(), &header.features)?;
     }

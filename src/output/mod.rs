@@ -451,7 +451,7 @@ pub fn check_features(
     configured: &FeatureSettings,
 ) -> Result<(), SettingsDiffer> {
     let fingerprint = configured.fingerprint();
-    if stored_fingerprint == fingerprint {
+    if configured.made(stored_fingerprint) {
         return Ok(());
     }
     let object = |text: &str| {
