@@ -43,7 +43,7 @@ enum Command {
         /// Where to featurise (default: ingest.device from the configuration).
         #[arg(long, value_parser = ["auto", "cpu", "cuda"])]
         device: Option<String>,
-        /// Print the report as JSON.
+        /// Print the report as JSON (docs/json.md).
         #[arg(long)]
         json: bool,
         /// Only the recordings of shard I of N (by a hash of the path, I from 0; each shard reads
@@ -75,6 +75,7 @@ enum Command {
     },
     /// Files per state, rows per split and label, quarantined files with reasons.
     Status {
+        /// Print the report as JSON (docs/json.md).
         #[arg(long)]
         json: bool,
         /// Also draw the dataset (rows per label and split, arrivals, gains) as a PNG.
@@ -96,7 +97,10 @@ enum Command {
     },
     /// Decode and featurise one recording; print a summary, optionally a picture.
     Inspect {
+        /// The WAV file (anywhere: its label is read from its place under paths.recordings).
+        #[arg(value_name = "FILE.wav")]
         file: PathBuf,
+        /// Print the summary as JSON (docs/json.md).
         #[arg(long)]
         json: bool,
         /// Also draw the recording (waveform, spectrogram, stored features) as a PNG.
@@ -111,12 +115,14 @@ enum Command {
     },
     /// What this host offers (CPU features, CUDA driver and GPU, NVRTC) and a CPU/GPU parity self-test.
     Doctor {
+        /// Print the findings as JSON (docs/json.md).
         #[arg(long)]
         json: bool,
     },
     /// Print the shell's completion script (the Debian package installs those of bash, zsh and
     /// fish); e.g. `ailhd completions bash > ~/.local/share/bash-completion/completions/ailhd`.
     Completions {
+        /// The shell: bash, zsh, fish, elvish or powershell.
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },

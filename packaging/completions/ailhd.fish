@@ -51,7 +51,7 @@ cpu\t''
 cuda\t''"
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l shard -d 'Only the recordings of shard I of N (by a hash of the path, I from 0; each shard reads only its own files), for a scheduler\'s array job; `auto` or `auto/N` take I (and N) from SLURM_ARRAY_TASK_ID/_COUNT or JOB_COMPLETION_INDEX' -r
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l config -d 'Configuration file (else $AILHD_CONFIG, else /etc/ailhd/ailhd.toml, else built-in defaults)' -r -F
-complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l json -d 'Print the report as JSON'
+complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l json -d 'Print the report as JSON (docs/json.md)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l allow-empty -d 'Empty the outputs when the recordings folder holds nothing (refused without it while the outputs hold recordings: the disk may not be mounted)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l verbose -d 'Say more (info messages)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand rebuild" -l debug -d 'Say everything (debug messages)'
@@ -65,7 +65,7 @@ complete -c ailhd -n "__fish_ailhd_using_subcommand merge" -l debug -d 'Say ever
 complete -c ailhd -n "__fish_ailhd_using_subcommand merge" -s h -l help -d 'Print help'
 complete -c ailhd -n "__fish_ailhd_using_subcommand status" -l png -d 'Also draw the dataset (rows per label and split, arrivals, gains) as a PNG' -r -F
 complete -c ailhd -n "__fish_ailhd_using_subcommand status" -l config -d 'Configuration file (else $AILHD_CONFIG, else /etc/ailhd/ailhd.toml, else built-in defaults)' -r -F
-complete -c ailhd -n "__fish_ailhd_using_subcommand status" -l json
+complete -c ailhd -n "__fish_ailhd_using_subcommand status" -l json -d 'Print the report as JSON (docs/json.md)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand status" -l verbose -d 'Say more (info messages)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand status" -l debug -d 'Say everything (debug messages)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand status" -s h -l help -d 'Print help'
@@ -84,7 +84,7 @@ complete -c ailhd -n "__fish_ailhd_using_subcommand reload" -l debug -d 'Say eve
 complete -c ailhd -n "__fish_ailhd_using_subcommand reload" -s h -l help -d 'Print help'
 complete -c ailhd -n "__fish_ailhd_using_subcommand inspect" -l png -d 'Also draw the recording (waveform, spectrogram, stored features) as a PNG' -r -F
 complete -c ailhd -n "__fish_ailhd_using_subcommand inspect" -l config -d 'Configuration file (else $AILHD_CONFIG, else /etc/ailhd/ailhd.toml, else built-in defaults)' -r -F
-complete -c ailhd -n "__fish_ailhd_using_subcommand inspect" -l json
+complete -c ailhd -n "__fish_ailhd_using_subcommand inspect" -l json -d 'Print the summary as JSON (docs/json.md)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand inspect" -l verbose -d 'Say more (info messages)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand inspect" -l debug -d 'Say everything (debug messages)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand inspect" -s h -l help -d 'Print help'
@@ -93,7 +93,7 @@ complete -c ailhd -n "__fish_ailhd_using_subcommand demo" -l verbose -d 'Say mor
 complete -c ailhd -n "__fish_ailhd_using_subcommand demo" -l debug -d 'Say everything (debug messages)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand demo" -s h -l help -d 'Print help'
 complete -c ailhd -n "__fish_ailhd_using_subcommand doctor" -l config -d 'Configuration file (else $AILHD_CONFIG, else /etc/ailhd/ailhd.toml, else built-in defaults)' -r -F
-complete -c ailhd -n "__fish_ailhd_using_subcommand doctor" -l json
+complete -c ailhd -n "__fish_ailhd_using_subcommand doctor" -l json -d 'Print the findings as JSON (docs/json.md)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand doctor" -l verbose -d 'Say more (info messages)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand doctor" -l debug -d 'Say everything (debug messages)'
 complete -c ailhd -n "__fish_ailhd_using_subcommand doctor" -s h -l help -d 'Print help'
