@@ -231,7 +231,8 @@ class LiveDataset:
         self._pid = None
         self._home = None  # the process whose refresh() made the snapshot
         # The snapshot as keys, published for this process's DataLoader workers (see the module
-        # notes): the file, the arrays it was written from, and, in a worker, what was read.
+        # notes): the file and how much of the snapshot it holds; in a worker, what was read
+        # from it and that file's stat stamp.
         self._token = secrets.token_hex(8)
         self._shared_path = None
         self._shared_n = 0  # keys in the file; the snapshot's first rows when _shared_ok
