@@ -625,8 +625,7 @@ fn from_environment(
             let message = e.to_string();
             let (_, after) = message.split_once(" for key ")?;
             let key = after.trim().trim_matches('`').to_string();
-            let key_of = |var: &str| var["AILHD_".len()..].to_lowercase().replace("__", ".");
-            let var = overrides.keys().find(|var| key_of(var) == key)?;
+            let var = overrides.keys().find(|var| override_key(var) == key)?;
             return Some(ConfigError::Env {
                 var: var.clone(),
                 message: with_accepted_values(message),
@@ -638,6 +637,12 @@ fn from_environment(
         var,
         message: format!("{message} (key `{key}`)"),
     })
+}
+
+/// The key an override sets (`AILHD_FEATURES__N_MELS` -> `features.n_mels`), as the `config`
+/// crate reads its name.
+fn override_key(var: &str) -> String {
+    var["AILHD_".len()..].to_lowercase().replace("__", ".")
 }
 
 /// serde's "unknown field `nmels`, expected one of `sample_rate`, ..." under section `key`
@@ -665,9 +670,8 @@ fn unknown_override(
         None => field.to_string(),
     };
     // The key an override sets, as the `config` crate reads its name.
-    let key_of = |var: &str| var["AILHD_".len()..].to_lowercase().replace("__", ".");
     let var = overrides.keys().find(|var| {
-        let k = key_of(var);
+        let k = override_key(var);
         k == key || k.starts_with(&format!("{key}."))
     })?;
     let known = rest
@@ -913,8 +917,7 @@ impl Settings {
                      starts and takes recordings once it is there",
                     rec.display()
                 );
-                check_writable_dir("paths.output", &self.paths.output, true)?;
-                check_writable_dir("paths.state", &self.paths.state, true)?;
+                self.check_output_and_state()?;
                 self.check_metrics_folder()
             }
             _ => self.check_paths(),
@@ -962,6 +965,11 @@ impl Settings {
                 &e,
             ));
         }
+        self.check_output_and_state()
+    }
+
+    /// The output and state folders are writable, or can be created.
+    fn check_output_and_state(&self) -> Result<(), PathsError> {
         check_writable_dir("paths.output", &self.paths.output, true)?;
         check_writable_dir("paths.state", &self.paths.state, true)
     }

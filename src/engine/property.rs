@@ -8,7 +8,7 @@ use super::outcome::Observation;
 use super::{Engine, Input};
 use crate::config::{DeviceChoice, Settings};
 use crate::output::npy::descr;
-use crate::output::read::npy_rows;
+use crate::output::npy::read_rows;
 use crate::output::{ColumnType, ID_BYTES};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
@@ -32,7 +32,7 @@ fn valid_rows(out: &Path, path_bytes: usize) -> Rows {
         if !dir.join("attributes.json").exists() {
             continue;
         }
-        let col = |name: &str, t: ColumnType| npy_rows(&dir, name, &descr(t)).unwrap();
+        let col = |name: &str, t: ColumnType| read_rows(&dir, name, &descr(t)).unwrap();
         let (hw, hash) = col("blake3", ColumnType::U8);
         let (pw, paths) = col("source_path", ColumnType::Str(path_bytes));
         let (lw, labels) = col("labels", ColumnType::I16);

@@ -28,8 +28,8 @@
 use super::manifest::{ContentRecord, FileRecord, Manifest, ManifestBatch, RowRef};
 use crate::config::{Settings, SPLITS};
 use crate::identity::Hash;
-use crate::output::npy::NpySink;
-use crate::output::read::{npy_label_names, npy_rows, SwmrSplit};
+use crate::output::npy::{read_rows, NpySink};
+use crate::output::read::{npy_label_names, SwmrSplit};
 use crate::output::set::OutputSet;
 use crate::output::{ColumnType, OutputHeader};
 use anyhow::{bail, Result};
@@ -572,10 +572,10 @@ fn read_npy(settings: &Settings, dir: &Path) -> Result<(Vec<String>, Identity)> 
     let stored = crate::output::npy::source_path_width(dir)?;
     crate::output::check_path_bytes(&dir.join("source_path.npy"), stored, path_bytes)?;
     let path_type = ColumnType::Str(path_bytes);
-    let (_, blake3) = npy_rows(dir, "blake3", &descr(ColumnType::U8))?;
-    let (width, paths) = npy_rows(dir, "source_path", &descr(path_type))?;
-    let (_, labels) = npy_rows(dir, "labels", &descr(ColumnType::I16))?;
-    let (_, valid) = npy_rows(dir, "valid", &descr(ColumnType::U8))?;
+    let (_, blake3) = read_rows(dir, "blake3", &descr(ColumnType::U8))?;
+    let (width, paths) = read_rows(dir, "source_path", &descr(path_type))?;
+    let (_, labels) = read_rows(dir, "labels", &descr(ColumnType::I16))?;
+    let (_, valid) = read_rows(dir, "valid", &descr(ColumnType::U8))?;
     let n = valid.len();
     if blake3.len() != n * 32 || paths.len() != n * width || labels.len() != n * 2 {
         bail!(

@@ -363,7 +363,7 @@ fn npy_column<T, const N: usize>(
     descr: &str,
     from: fn([u8; N]) -> T,
 ) -> Result<Vec<T>> {
-    let (row_bytes, bytes) = npy_rows(dir, name, descr)?;
+    let (row_bytes, bytes) = super::npy::read_rows(dir, name, descr)?;
     if row_bytes != N {
         bail!(
             "{}: rows of {row_bytes} bytes, expected {N}",
@@ -375,5 +375,3 @@ fn npy_column<T, const N: usize>(
         .map(|c| from(c.try_into().expect("chunks of N bytes")))
         .collect())
 }
-
-pub use super::npy::read_rows as npy_rows;

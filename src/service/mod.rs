@@ -504,19 +504,19 @@ impl EventLoop {
             return;
         }
         match Watcher::start(&self.root, self.watch_tx.clone()) {
-            Ok(watcher) if self.root_id.is_none() => {
-                log::warn!(
-                    "the recordings folder {} is there now: watching it and comparing it with the manifest",
-                    self.root.display()
-                );
-                self.rewatched(watcher, id);
-            }
             Ok(watcher) => {
-                log::warn!(
-                    "the recordings folder {} is another folder now (a disk mounted on it or taken away, or the folder made anew): watching it anew and comparing it with the manifest",
-                    self.root.display()
-                );
-                self.rewatched(watcher, id);
+                if self.root_id.is_none() {
+                    log::warn!(
+                        "the recordings folder {} is there now: watching it and comparing it with the manifest",
+                        self.root.display()
+                    );
+                } else {
+                    log::warn!(
+                        "the recordings folder {} is another folder now (a disk mounted on it or taken away, or the folder made anew): watching it anew and comparing it with the manifest",
+                        self.root.display()
+                    );
+                }
+                self.rewatch(watcher, id);
             }
             Err(e) => log::warn!("cannot watch the recordings folder again yet: {e}"),
         }
@@ -524,7 +524,7 @@ impl EventLoop {
 
     /// Watch the recordings folder with `watcher` from now on (its device and inode are `id`),
     /// and compare the tree with the manifest: events until now were missed.
-    fn rewatched(&mut self, watcher: Watcher, id: (u64, u64)) {
+    fn rewatch(&mut self, watcher: Watcher, id: (u64, u64)) {
         std::mem::replace(&mut self.watcher, watcher).stop();
         self.root_id = Some(id);
         *self
