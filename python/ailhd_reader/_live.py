@@ -490,13 +490,9 @@ class LiveDataset:
     def _index(self, i):
         if not isinstance(i, (int, np.integer)):
             raise TypeError(f"LiveDataset indices are integers, not {type(i).__name__}")
-        n = len(self._rows)
-        if not -n <= i < n:
-            if 0 <= i and self._catch_up(lambda: int(i) < len(self._rows)):
-                return int(i)
-            n = len(self._rows)
-            raise IndexError(f"index {i} out of range for {n} rows")
-        return int(i) + n if i < 0 else int(i)
+        if i >= len(self._rows) and self._catch_up(lambda: int(i) < len(self._rows)):
+            return int(i)
+        return _position(i, len(self._rows))
 
     def _catch_up(self, done):
         """A position past this snapshot. In a process other than the one whose `refresh()` made
