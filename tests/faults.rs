@@ -66,11 +66,9 @@ fn fill(dir: &Path) -> PathBuf {
 #[test]
 #[serial]
 fn a_full_output_disk_is_ridden_out_and_nothing_is_lost_or_torn() {
-    let world = World::new(&format!(
-        "{FAST}[metrics]\ntextfile = {:?}\n",
-        std::env::temp_dir().join(format!("ailhd-faults-{}.prom", std::process::id()))
-    ));
-    let prom = std::env::temp_dir().join(format!("ailhd-faults-{}.prom", std::process::id()));
+    let metrics = tempfile::tempdir().unwrap();
+    let prom = metrics.path().join("ailhd.prom");
+    let world = World::new(&format!("{FAST}[metrics]\ntextfile = {prom:?}\n"));
     let _tmpfs = Tmpfs::mount(&world.out(), "24m");
     add(&world, 0..4);
     let svc = Service::start(&world);
@@ -127,7 +125,8 @@ fn a_full_output_disk_is_ridden_out_and_nothing_is_lost_or_torn() {
 #[test]
 #[serial]
 fn a_featuriser_failing_mid_run_is_ridden_out_and_nothing_is_lost() {
-    let prom = std::env::temp_dir().join(format!("ailhd-featurise-{}.prom", std::process::id()));
+    let metrics = tempfile::tempdir().unwrap();
+    let prom = metrics.path().join("ailhd.prom");
     let world = World::new(&format!("{FAST}[metrics]\ntextfile = {prom:?}\n"));
     add(&world, 0..4);
     let svc = Service::start(&world);

@@ -61,7 +61,8 @@ fn expect_reason(reason: &str) {
 #[test]
 #[serial]
 fn a_recording_that_stops_the_service_twice_is_quarantined_and_the_rest_arrives() {
-    let prom = std::env::temp_dir().join(format!("ailhd-poison-{}.prom", std::process::id()));
+    let metrics = tempfile::tempdir().unwrap();
+    let prom = metrics.path().join("ailhd.prom");
     let world = World::new(&format!("{FAST}[metrics]\ntextfile = {prom:?}\n"));
     add(&world, 0..30);
     write_via_rename(&world.rec(), POISON, &clip_wav("LEAK", 2999));
