@@ -179,6 +179,131 @@ struct Baseline {
     at: Instant,
 }
 
+/// What one probe of a present file saw ([`Probe::Present`]).
+struct Seen {
+    size: u64,
+    mtime: SystemTime,
+    header: Result<(), DecodeError>,
+    held_for_writing: Option<bool>,
+}
+
+/// What [`Pending::step`] decided for a file after a probe.
+enum Step {
+    Ready,
+    Quarantine(Incomplete),
+    /// Not yet: probe it again then.
+    Probe(Instant),
+}
+
+impl Pending {
+    /// One probe's verdict by the module's rules, with what it taught about the file kept.
+    fn step(
+        &mut self,
+        settle: Duration,
+        quarantine_after: Duration,
+        now: Instant,
+        seen: Seen,
+    ) -> Step {
+        if seen.held_for_writing == Some(true) {
+            // A writer the events did not show (it began before the watch on its folder, or
+            // before the service started), or a second descriptor after a close: its close
+            // will be seen.
+            self.open = true;
+            self.strong = false;
+            self.closed_at = None;
+        }
+        let no_writer = seen.held_for_writing == Some(false);
+        let baseline = self.baseline(settle, quarantine_after, now, seen.size, seen.mtime);
+        // A malformed header will not get better by waiting: the file goes as it is.
+        let header = seen
+            .header
+            .or_else(|e| if e.is_incomplete() { Err(e) } else { Ok(()) });
+        // Unfinished by its header, and no process here holds it open for writing (a file
+        // closed before its folder's watch was set up, say): taken as closed now. Only to be
+        // quarantined a window later, never to be ingested sooner (a writer on another host of
+        // some network file systems is not counted), and a change starts it over.
+        if no_writer && header.is_err() && !self.open && self.closed_at.is_none() {
+            self.closed_at = Some(now);
+        }
+        // A closed file still incomplete a settle window after its close: its writer is done
+        // with it, so it goes, and the engine quarantines it with the decoder's reason.
+        let closed_for_a_window = self.closed_at.map(|at| (at, now >= at + settle));
+        match (self.open, header) {
+            (false, Ok(())) if self.strong || now.duration_since(baseline.at) >= settle => {
+                Step::Ready
+            }
+            // Consistent but not yet seen stable for the whole window.
+            (false, Ok(())) => Step::Probe((baseline.at + settle).max(now + MIN_RECHECK)),
+            (false, Err(_)) if matches!(closed_for_a_window, Some((_, true))) => Step::Ready,
+            (open, header) => {
+                let detail = match header {
+                    Err(e) if !open => Incomplete::Header(e),
+                    _ => Incomplete::Open,
+                };
+                let deadline = self.last_change + quarantine_after;
+                if now >= deadline {
+                    return Step::Quarantine(detail);
+                }
+                self.waiting_for = Some(detail);
+                let mut next = (now + self.recheck).min(deadline);
+                if let Some((closed_at, _)) = closed_for_a_window {
+                    next = next.min((closed_at + settle).max(now + MIN_RECHECK));
+                }
+                self.recheck = (self.recheck * 2).min(MAX_RECHECK.max(settle));
+                Step::Probe(next)
+            }
+        }
+    }
+
+    /// The baseline a probe that saw `(size, mtime)` compares against: the one taken since the
+    /// latest touch if the file is unchanged, else a new one (a change with no event about it
+    /// starts the windows over).
+    fn baseline(
+        &mut self,
+        settle: Duration,
+        quarantine_after: Duration,
+        now: Instant,
+        size: u64,
+        mtime: SystemTime,
+    ) -> Baseline {
+        let previous = match self.baseline {
+            Some(b) if b.size == size && b.mtime == mtime => return b,
+            previous => previous,
+        };
+        if previous.is_some() {
+            // Changed with no event about it: someone is writing where inotify does not see
+            // it. Whatever a close told us is stale.
+            self.strong = false;
+            self.closed_at = None;
+            self.last_change = now;
+            self.recheck = settle.max(MIN_RECHECK);
+        }
+        // A listed file's mtime says how long nothing has written it (the listing's wall clock,
+        // moved on by the monotonic time since): that long counts as seen stable, up to the
+        // whole window, and as time since its last change (a file found incomplete long after
+        // its last write is not waited for again at every start), up to `quarantine_after`.
+        let unchanged_for = match self.found_at.take() {
+            Some((at, wall)) if previous.is_none() => {
+                let wall_now = wall + now.saturating_duration_since(at);
+                wall_now.duration_since(mtime).unwrap_or_default()
+            }
+            _ => Duration::ZERO,
+        };
+        if !unchanged_for.is_zero() {
+            let since = unchanged_for.min(quarantine_after);
+            self.last_change = now.checked_sub(since).unwrap_or(self.last_change);
+        }
+        let stable_for = unchanged_for.min(settle);
+        let b = Baseline {
+            size,
+            mtime,
+            at: now.checked_sub(stable_for).unwrap_or(now),
+        };
+        self.baseline = Some(b);
+        b
+    }
+}
+
 impl Settler {
     /// `settle`: how long `(size, mtime)` must stay unchanged after a weak touch
     /// (`ingest.settle_ms`). `quarantine_after`: how long a file may stay incomplete after its
@@ -287,118 +412,40 @@ impl Settler {
             let Some(entry) = self.pending.get_mut(&path) else {
                 continue;
             };
-            let (size, mtime, header, no_writer) = match probe(&path) {
-                Probe::Missing => {
+            let Probe::Present {
+                size,
+                mtime,
+                header,
+                held_for_writing,
+            } = probe(&path)
+            else {
+                self.pending.remove(&path);
+                continue;
+            };
+            let seen = Seen {
+                size,
+                mtime,
+                header,
+                held_for_writing,
+            };
+            match entry.step(self.settle, self.quarantine_after, now, seen) {
+                Step::Probe(next) => {
+                    entry.due = next;
+                    self.schedule.insert((next, path));
+                }
+                Step::Ready => {
                     self.pending.remove(&path);
-                    continue;
+                    decided.push(Settled::Ready { path, size, mtime });
                 }
-                Probe::Present {
-                    size,
-                    mtime,
-                    header,
-                    held_for_writing,
-                } => {
-                    if held_for_writing == Some(true) {
-                        // A writer the events did not show (it began before the watch on its
-                        // folder, or before the service started), or a second descriptor
-                        // after a close: its close will be seen.
-                        entry.open = true;
-                        entry.strong = false;
-                        entry.closed_at = None;
-                    }
-                    (size, mtime, header, held_for_writing == Some(false))
+                Step::Quarantine(detail) => {
+                    self.pending.remove(&path);
+                    decided.push(Settled::Quarantine {
+                        path,
+                        after_s: self.quarantine_after.as_secs(),
+                        detail,
+                    });
                 }
-            };
-            let baseline = match entry.baseline {
-                Some(b) if b.size == size && b.mtime == mtime => b,
-                previous => {
-                    if previous.is_some() {
-                        // Changed with no event about it: someone is writing where inotify does
-                        // not see it. Whatever a close told us is stale.
-                        entry.strong = false;
-                        entry.closed_at = None;
-                        entry.last_change = now;
-                        entry.recheck = self.settle.max(MIN_RECHECK);
-                    }
-                    // A listed file's mtime says how long nothing has written it (the listing's
-                    // wall clock, moved on by the monotonic time since): that long counts as
-                    // seen stable, up to the whole window, and as time since its last change
-                    // (a file found incomplete long after its last write is not waited for
-                    // again at every start), up to `quarantine_after`.
-                    let unchanged_for = match entry.found_at.take() {
-                        Some((at, wall)) if previous.is_none() => {
-                            let wall_now = wall + now.saturating_duration_since(at);
-                            wall_now.duration_since(mtime).unwrap_or_default()
-                        }
-                        _ => Duration::ZERO,
-                    };
-                    if !unchanged_for.is_zero() {
-                        let since = unchanged_for.min(self.quarantine_after);
-                        entry.last_change = now.checked_sub(since).unwrap_or(entry.last_change);
-                    }
-                    let stable_for = unchanged_for.min(self.settle);
-                    let b = Baseline {
-                        size,
-                        mtime,
-                        at: now.checked_sub(stable_for).unwrap_or(now),
-                    };
-                    entry.baseline = Some(b);
-                    b
-                }
-            };
-            // A malformed header will not get better by waiting: the file goes as it is.
-            let header = header.or_else(|e| if e.is_incomplete() { Err(e) } else { Ok(()) });
-            // Unfinished by its header, and no process here holds it open for writing (a file
-            // closed before its folder's watch was set up, say): taken as closed now. Only to be
-            // quarantined a window later, never to be ingested sooner (a writer on another host
-            // of some network file systems is not counted), and a change starts it over.
-            if no_writer && header.is_err() && !entry.open && entry.closed_at.is_none() {
-                entry.closed_at = Some(now);
             }
-            // A closed file still incomplete a settle window after its close: its writer is done
-            // with it, so it goes, and the engine quarantines it with the decoder's reason.
-            let closed_for_a_window = entry.closed_at.map(|at| (at, now >= at + self.settle));
-            let next = match (entry.open, header) {
-                (false, Ok(()))
-                    if entry.strong || now.duration_since(baseline.at) >= self.settle =>
-                {
-                    self.pending.remove(&path);
-                    decided.push(Settled::Ready { path, size, mtime });
-                    continue;
-                }
-                // Consistent but not yet seen stable for the whole window.
-                (false, Ok(())) => (baseline.at + self.settle).max(now + MIN_RECHECK),
-                (false, Err(_)) if matches!(closed_for_a_window, Some((_, true))) => {
-                    self.pending.remove(&path);
-                    decided.push(Settled::Ready { path, size, mtime });
-                    continue;
-                }
-                (open, header) => {
-                    let detail = match header {
-                        Err(e) if !open => Incomplete::Header(e),
-                        _ => Incomplete::Open,
-                    };
-                    let deadline = entry.last_change + self.quarantine_after;
-                    if now >= deadline {
-                        self.pending.remove(&path);
-                        decided.push(Settled::Quarantine {
-                            path,
-                            after_s: self.quarantine_after.as_secs(),
-                            detail,
-                        });
-                        continue;
-                    }
-                    entry.waiting_for = Some(detail);
-                    let mut next = (now + entry.recheck).min(deadline);
-                    if let Some((closed_at, _)) = closed_for_a_window {
-                        next = next.min((closed_at + self.settle).max(now + MIN_RECHECK));
-                    }
-                    entry.recheck = (entry.recheck * 2).min(MAX_RECHECK.max(self.settle));
-                    next
-                }
-            };
-            entry.due = next;
-            self.schedule.insert((next, path));
         }
         decided
     }
