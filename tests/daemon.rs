@@ -292,6 +292,40 @@ fn shared_bytes_moves_links_and_unusable_files_follow_one_set_of_rules() {
     svc.terminate();
 }
 
+/// A recording with a second name (a hard link under another label) written in place through
+/// one name: the event names that one only, but both names hold the new bytes, as a rebuild
+/// finds. Without a look at the other name it kept the old bytes' row valid, under its label.
+#[test]
+#[serial]
+fn a_hard_linked_recording_written_in_place_changes_under_every_name() {
+    let world = World::new(
+        "[ingest]\nsettle_ms = 100\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n",
+    );
+    let rec = world.rec();
+    write_via_rename(&rec, "LEAK/a.wav", &clip_wav("LEAK", 1));
+    let svc = Service::start(&world);
+    svc.wait("the recording", |s| committed(s) == 1);
+    std::fs::create_dir_all(rec.join("NORMAL")).unwrap();
+    std::fs::hard_link(rec.join("LEAK/a.wav"), rec.join("NORMAL/b.wav")).unwrap();
+    let conflicts = |s: &serde_json::Value| s["label_conflicts"].as_array().map_or(0, |a| a.len());
+    svc.wait("the second name, a label conflict", |s| {
+        committed(s) == 2 && conflicts(s) == 1
+    });
+    compare_with_rebuild(&world);
+
+    // Written in place through the first name: the second holds the new bytes too (the label
+    // conflict is theirs now).
+    let new = clip_wav("LEAK", 2);
+    let new_hash = ailhd::identity::hex(&ailhd::identity::content_hash(&new));
+    std::fs::write(rec.join("LEAK/a.wav"), &new).unwrap();
+    let snap = svc.wait("both names on the new bytes", |s| {
+        s["label_conflicts"][0]["blake3"] == new_hash.as_str() && s["service"]["queue_depth"] == 0
+    });
+    assert_eq!((committed(&snap), conflicts(&snap)), (2, 1), "{snap}");
+    compare_with_rebuild(&world);
+    svc.terminate();
+}
+
 /// Every row of the outputs, read plainly (the service stopped): per split, (blake3 hex,
 /// source_path, label, valid).
 fn all_rows(world: &World) -> Vec<Vec<(String, String, i64, i64)>> {

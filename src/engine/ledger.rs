@@ -102,6 +102,9 @@ pub struct Plan {
     pub quarantined: Vec<(String, Reason)>,
     /// Paths to read again: their bytes' row must be made anew (in another split).
     pub reread: Vec<String>,
+    /// Paths to look at again: they held the bytes a path with other names (hard links) no
+    /// longer holds, so they may have changed with it without an event of their own.
+    pub recheck: Vec<String>,
     /// When each path that now holds a row was seen complete (latency figures).
     pub seen: Vec<Instant>,
     pub counts: Counts,
@@ -321,6 +324,13 @@ impl Ledger {
     ) -> anyhow::Result<()> {
         let old = self.file(store, &rel)?;
         let old_hold = old.as_ref().and_then(|f| f.holds().copied());
+        let linked = matches!(
+            &o,
+            Observation::Loaded(Loaded {
+                load: Load::Read { linked: true, .. },
+                ..
+            })
+        );
         let binding = self.bind(&rel, o, work);
         let holds_now = match &binding {
             Binding::Holds { hash, .. } => Some(*hash),
@@ -328,6 +338,12 @@ impl Ledger {
         };
         if let Some(h) = old_hold.filter(|h| Some(*h) != holds_now) {
             self.let_go(store, work, h, &rel)?;
+            if linked {
+                // Written in place through one of its names: the others that held these bytes
+                // may be names of the same file.
+                let others = &work.current.get(&h).expect("touched").paths;
+                work.plan.recheck.extend(others.iter().cloned());
+            }
         }
         match binding {
             Binding::Nothing => record_nothing(work, rel, old.is_some()),
@@ -382,6 +398,7 @@ impl Ledger {
                         mtime_ns,
                         hash,
                         decoded,
+                        ..
                     },
                 ..
             }) => self.bind_read(rel, seen, (size, mtime_ns, hash), decoded, work),
@@ -805,6 +822,7 @@ pub(crate) mod tests {
                 mtime_ns: 1,
                 hash: identity::content_hash(bytes),
                 decoded: Ok(wave()),
+                linked: false,
             },
         })
     }
@@ -987,6 +1005,42 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn new_bytes_through_a_linked_name_ask_for_a_look_at_the_other_names() {
+        let mut w = World::new(SplitMode::Hash);
+        w.apply(vec![
+            read("LEAK/a.wav", b"v1"),
+            read("NORMAL/b.wav", b"v1"),
+            read("NORMAL/c.wav", b"v1"),
+        ]);
+        let linked = |rel: &str, bytes: &[u8]| {
+            let mut o = read(rel, bytes);
+            if let Observation::Loaded(Loaded {
+                load: Load::Read { linked, .. },
+                ..
+            }) = &mut o
+            {
+                *linked = true;
+            }
+            o
+        };
+        // Unchanged, or new bytes at a file with one name: nothing to look at.
+        let plan = w.ledger.decide(&w.model, vec![linked("LEAK/a.wav", b"v1")]);
+        assert!(plan.unwrap().recheck.is_empty());
+        let plan = w
+            .ledger
+            .decide(&w.model, vec![read("NORMAL/c.wav", b"v3")])
+            .unwrap();
+        assert!(plan.recheck.is_empty());
+        w.model.commit(plan, &w.ledger);
+        // New bytes at a file with other names: the paths left on the old bytes.
+        let plan = w
+            .ledger
+            .decide(&w.model, vec![linked("LEAK/a.wav", b"v2")])
+            .unwrap();
+        assert_eq!(plan.recheck, vec!["NORMAL/b.wav".to_string()]);
+    }
+
+    #[test]
     fn unusable_files_are_quarantined_let_go_of_rows_and_are_retried() {
         let mut w = World::new(SplitMode::Hash);
         w.apply(vec![read("LEAK/a.wav", b"good")]);
@@ -998,6 +1052,7 @@ pub(crate) mod tests {
                 mtime_ns: 2,
                 hash: h(b"bad"),
                 decoded: Err(Reason::Decode(DecodeError::NotWav)),
+                linked: false,
             },
         });
         let (c, _, _) = w.apply(vec![bad]);
@@ -1159,6 +1214,7 @@ pub(crate) mod tests {
                     mtime_ns: 1,
                     hash: h(bytes),
                     decoded,
+                    linked: false,
                 },
             })
         };

@@ -86,6 +86,9 @@ pub struct Done {
     pub quarantined: Vec<(String, Reason)>,
     /// Paths to load again (their bytes' row is made anew in another split).
     pub reread: Vec<String>,
+    /// Paths that may have changed without an event (other names of a file written in place:
+    /// [`ledger::Plan::recheck`]): to look at again.
+    pub recheck: Vec<String>,
     /// Completion-to-commit time of each file that got a row.
     pub latencies: Vec<Duration>,
     /// When the first of those files was seen complete, and when the batch passed each stage
@@ -833,6 +836,7 @@ fn done_of(plan: Plan) -> Done {
         counts: plan.counts,
         quarantined: plan.quarantined,
         reread: plan.reread,
+        recheck: plan.recheck,
         latencies: plan.seen.iter().map(|t| now.duration_since(*t)).collect(),
         first_seen: plan.seen.iter().min().copied(),
         trace: plan.trace,

@@ -66,6 +66,9 @@ pub enum Load {
         mtime_ns: i64,
         hash: Hash,
         decoded: Result<Waveform, Reason>,
+        /// The file has other names (hard links, `st_nlink` > 1): when its bytes change, theirs
+        /// change with them, and no event says so for those names.
+        linked: bool,
     },
 }
 

@@ -6,6 +6,7 @@ use crate::config::{FeatureSettings, FeatureShape};
 use crate::decode::{self, FileBytes, Streamed, Waveform};
 use crate::engine::outcome::{Load, Loaded, Observation, Reason};
 use crate::identity;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -186,6 +187,7 @@ fn load_file(
         mtime_ns: mtime_ns(&meta),
         hash,
         decoded,
+        linked: meta.nlink() > 1,
     }
 }
 
@@ -233,6 +235,7 @@ fn load_streaming(
                 mtime_ns: mtime_ns(meta),
                 hash,
                 decoded,
+                linked: meta.nlink() > 1,
             }
         }
     }

@@ -473,6 +473,14 @@ impl EventLoop {
                 for rel in done.reread {
                     self.send(Work::Op(Input::Load { rel, seen: None }));
                 }
+                // Other names of a file written in place through one of them: looked at as a
+                // listing that found them changed would (the same bytes are seen unchanged).
+                let now = Instant::now();
+                for rel in done.recheck {
+                    log::debug!("{rel}: looked at again (another name of its file was written)");
+                    self.settler
+                        .found(Path::new(&rel), now, std::time::SystemTime::now());
+                }
                 let first = Duration::from_secs(self.settings.ingest.unreadable_retry_s);
                 for (rel, reason) in &done.quarantined {
                     if !matches!(reason, Reason::Unreadable(_)) {
