@@ -895,10 +895,11 @@ impl Settings {
     /// (tested by creating and removing a probe file; nothing else is created). The error names
     /// the key and the path. What only the configuration can mend (a missing recordings folder,
     /// which `run` waits for instead: [`Settings::check_paths_for_run`]; no permission, a
-    /// read-only file system, a file where a folder belongs) is a
+    /// read-only mount over a writable file system, a file where a folder belongs) is a
     /// [`ConfigError`]; a condition that may pass (an I/O error, a full disk, a file system that
-    /// does not answer) is a [`PathUnavailable`], which `run` reports as a run-time failure
-    /// (exit 1: systemd restarts it).
+    /// does not answer, a file system read-only as a whole) is a [`PathUnavailable`], which
+    /// `run` waits out ([`crate::service::wait_for_paths`]) and the other commands report as a
+    /// run-time failure (exit 1).
     pub fn check_paths(&self) -> Result<(), PathsError> {
         self.check_data_folders()?;
         self.check_metrics_folder()
@@ -1096,18 +1097,99 @@ fn check_writable_dir(key: &str, dir: &Path, may_create: bool) -> Result<(), Pat
             } else {
                 format!("cannot be created in {}", at.display())
             };
-            Err(path_error(
-                key,
-                format!("{} {what}: {}", dir.display(), io_reason(&e)),
-                &e,
-            ))
+            let message = format!("{} {what}: {}", dir.display(), io_reason(&e));
+            // A file system read-only as a whole (remounted so by the kernel after disk errors,
+            // say) may be writable again after a repair: a condition that may pass. A mount
+            // made read-only on its own (a systemd unit's ProtectSystem, a read-only bind
+            // mount over a writable file system) is the configuration's.
+            if e.kind() == std::io::ErrorKind::ReadOnlyFilesystem && file_system_read_only(&at) {
+                return Err(PathUnavailable {
+                    key: key.to_string(),
+                    message: format!(
+                        "{message} (the whole file system is read-only: remounted so after disk \
+                         errors, or mounted so)"
+                    ),
+                }
+                .into());
+            }
+            Err(path_error(key, message, &e))
         }
     }
+}
+
+/// Whether the file system holding `path` is read-only as a whole (its super block: the last
+/// field of its line in `/proc/self/mountinfo`), rather than only the mount `path` is seen
+/// through. False when it cannot be told.
+pub(crate) fn file_system_read_only(path: &Path) -> bool {
+    let Ok(path) = std::fs::canonicalize(path) else {
+        return false;
+    };
+    let Ok(table) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    // The mount with the longest mount point above the path; of mounts on the same point, the
+    // last listed (the one on top).
+    let mut best: Option<(usize, bool)> = None;
+    for line in table.lines() {
+        let Some((mount, fs)) = line.split_once(" - ") else {
+            continue;
+        };
+        let Some(point) = mount.split(' ').nth(4) else {
+            continue;
+        };
+        let point = PathBuf::from(unescape_mountinfo(point));
+        if !path.starts_with(&point) {
+            continue;
+        }
+        let depth = point.components().count();
+        if best.is_none_or(|(d, _)| depth >= d) {
+            let super_ro = fs
+                .split(' ')
+                .nth(2)
+                .is_some_and(|opts| opts.split(',').any(|o| o == "ro"));
+            best = Some((depth, super_ro));
+        }
+    }
+    best.is_some_and(|(_, ro)| ro)
+}
+
+/// A mountinfo field with its octal escapes (`\040` for a space) undone.
+fn unescape_mountinfo(field: &str) -> String {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)))
+            .and_then(|d| {
+                let v = d.iter().fold(0u16, |v, c| v * 8 + u16::from(c - b'0'));
+                u8::try_from(v).ok()
+            });
+        match (b[i], octal) {
+            (b'\\', Some(c)) => {
+                out.push(c);
+                i += 4;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mountinfo_escapes_are_undone() {
+        assert_eq!(unescape_mountinfo(r"/mnt/a\040b\011c"), "/mnt/a b\tc");
+        assert_eq!(unescape_mountinfo(r"/x\\y\9"), r"/x\\y\9");
+        assert_eq!(unescape_mountinfo(r"/end\04"), r"/end\04");
+    }
 
     #[test]
     fn defaults_validate_and_give_contract_shapes() {

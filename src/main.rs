@@ -243,7 +243,9 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             // Tests hold the start here to signal it while it configures (tests/daemon.rs).
             fail::fail_point!("run-configure");
             let s = load_settings(&cli)?;
-            s.check_paths_for_run()?;
+            if !ailhd::service::wait_for_paths(&s)? {
+                return Ok(());
+            }
             ailhd::service::run(s, cli.config.clone())
         }
     }

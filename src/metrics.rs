@@ -136,7 +136,7 @@ fn describe() {
     );
     describe_gauge!(
         "ailhd_unwatched_folders",
-        "folders inotify could not watch (limits): retried, and the tree rescanned meanwhile"
+        "folders not watched for now (inotify limits, no permission): retried, and the tree rescanned meanwhile"
     );
     describe_gauge!(
         "ailhd_outputs_open",

@@ -126,6 +126,27 @@ pub struct EmptyTree {
     pub committed: u64,
 }
 
+/// Folders of the tree that could not be listed (no permission, an I/O error): a rebuild
+/// would leave their recordings out of outputs made to hold the whole tree, so it refuses.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "cannot list {} under {}: {}{}; a rebuild would leave the recordings under it out, so nothing was changed (the user running ailhd must be able to read every folder under paths.recordings)",
+    folder_name(&.folders[0].0), root.display(), .folders[0].1,
+    if .folders.len() > 1 { format!(" (and {} more folders)", .folders.len() - 1) } else { String::new() }
+)]
+pub struct UnlistedFolders {
+    pub root: std::path::PathBuf,
+    /// (folder relative to the root, why), as [`Listing::unlisted`] has them.
+    pub folders: Vec<(String, String)>,
+}
+
+fn folder_name(rel: &str) -> String {
+    match rel {
+        "" => "the recordings folder".into(),
+        rel => format!("the folder {rel}"),
+    }
+}
+
 /// Start-up work runs side by side: opening the old manifest (for the labels it appended,
 /// which keep their ids across rebuilds; tens of ms while sled recovers its log), building the
 /// featuriser (a GPU's takes a good part of a second: context, NVRTC, plans, self-check),
@@ -260,6 +281,13 @@ fn build_staged(
 )> {
     let shard = scope.shard;
     let (mut found, before, featuriser, stores) = start_up(settings, make_featuriser)?;
+    if !found.unlisted().is_empty() {
+        return Err(UnlistedFolders {
+            root: settings.paths.recordings.clone(),
+            folders: found.unlisted().to_vec(),
+        }
+        .into());
+    }
     if found.is_empty() && before.committed > 0 && !scope.allow_empty {
         return Err(EmptyTree {
             root: settings.paths.recordings.clone(),

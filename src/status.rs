@@ -54,7 +54,8 @@ pub struct ServiceStatus {
     /// Set while writing fails (disk full, I/O error): the service retries by itself.
     #[serde(default)]
     pub write_failing: Option<WriteFailing>,
-    /// Folders not watched (inotify limits): retried, and the tree rescanned meanwhile.
+    /// Folders not watched for now (inotify limits, no permission): retried, and the tree
+    /// rescanned meanwhile.
     #[serde(default)]
     pub unwatched: Vec<Unwatched>,
 }

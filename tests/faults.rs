@@ -754,3 +754,180 @@ fn folders_past_the_watch_limit_are_reported_rescanned_and_retried() {
     let log = svc.terminate();
     assert!(log.contains("is watched now"), "{log}");
 }
+
+/// A label folder the service user may not read (a `chmod 000`, a wrong owner) is not every
+/// recording in it deleted: its rows stay, through rescans and a restart; the service starts
+/// and takes the other folders, lists the folder as not watched (with why), and takes it back
+/// once it can read it, without a restart. `rebuild` refuses to make outputs without it.
+#[test]
+#[serial]
+fn a_folder_the_service_may_not_read_keeps_its_rows_and_stops_nothing() {
+    use std::os::unix::fs::PermissionsExt;
+    if unsafe { libc::geteuid() } != 0 {
+        panic!("this test runs the service as another user (nobody) than the folders' owner: run it as root");
+    }
+    let world = World::new(&FAST.replace("rescan_interval_s = 0", "rescan_interval_s = 1"));
+    add(&world, 0..6);
+    // The service runs as nobody, as the packaged unit runs as its own user: a copy of the
+    // binary it can reach, and a world it owns.
+    let copy = world.dir.path().join("ailhd");
+    std::fs::copy(bin(), &copy).unwrap();
+    let chown = Command::new("chown")
+        .args(["-R", "65534:65534"])
+        .arg(world.dir.path())
+        .status()
+        .unwrap();
+    assert!(chown.success());
+    std::fs::set_permissions(world.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let copy = copy.to_str().unwrap();
+    let nobody = [
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "sh",
+        "-c",
+        "shift; exec \"$0\" \"$@\"",
+        copy,
+    ];
+    let leak = world.rec().join("LEAK");
+    let svc = Service::start_under(&world, &nobody);
+    svc.wait("6 committed", |s| committed(s) == 6);
+
+    // Unreadable under the running service: rescans (every second) take nothing away.
+    std::fs::set_permissions(&leak, std::fs::Permissions::from_mode(0o000)).unwrap();
+    svc.wait_for("a rescan that could not list it", || {
+        svc.log().contains("cannot list")
+    });
+    svc.wait_for("two more rescans", || {
+        svc.log().matches("cannot list").count() >= 3
+    });
+    let snap = svc.snapshot().unwrap();
+    assert_eq!(committed(&snap), 6, "{snap}\n{}", svc.log());
+    svc.terminate();
+
+    // A start with it unreadable: up, the folder listed as not watched, the others taken.
+    let svc = Service::start_under(&world, &nobody);
+    let snap = svc.wait("the folder reported not watched", |s| {
+        s["service"]["unwatched"]
+            .as_array()
+            .is_some_and(|a| a.len() == 1)
+    });
+    assert_eq!(
+        snap["service"]["unwatched"][0]["path"].as_str(),
+        leak.to_str(),
+        "{snap}"
+    );
+    let reason = snap["service"]["unwatched"][0]["reason"].as_str().unwrap();
+    assert!(reason.contains("permission denied"), "{reason}");
+    assert_eq!(committed(&snap), 6, "{snap}");
+    let (label, rel) = alternating(7, 4);
+    assert_eq!(label, "NORMAL");
+    write_via_rename(&world.rec(), &rel, &clip(label, 7));
+    svc.wait("a recording in a readable folder", |s| committed(s) == 7);
+
+    // Readable again: a recording placed there meanwhile arrives without a restart.
+    std::fs::set_permissions(&leak, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (label, rel) = alternating(8, 4);
+    write_via_rename(&world.rec(), &rel, &clip(label, 8));
+    svc.wait("the folder watched again and its new recording", |s| {
+        committed(s) == 8
+            && s["service"]["unwatched"]
+                .as_array()
+                .is_some_and(|a| a.is_empty())
+    });
+    svc.terminate();
+
+    // `rebuild` with the folder unreadable: refused, naming it; the outputs unchanged.
+    std::fs::set_permissions(&leak, std::fs::Permissions::from_mode(0o000)).unwrap();
+    let before = committed_rows(&world);
+    let o = Command::new(nobody[0])
+        .args(&nobody[1..])
+        .arg("ailhd")
+        .arg("--config")
+        .arg(&world.config)
+        .arg("rebuild")
+        .env_remove("AILHD_CONFIG")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot list the folder LEAK/") && err.contains("nothing was changed"),
+        "{err}"
+    );
+    assert_eq!(committed_rows(&world), before);
+    std::fs::set_permissions(&leak, std::fs::Permissions::from_mode(0o755)).unwrap();
+    compare_with_rebuild(&world);
+}
+
+fn mount(args: &[&str], dir: &Path) {
+    let o = Command::new("mount").args(args).arg(dir).output().unwrap();
+    assert!(
+        o.status.success(),
+        "mount {args:?} {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// An output folder on a file system read-only as a whole (the kernel remounts one so after
+/// disk errors) is a condition that may pass: `check-config` says so (exit 1, not 2), and `run`
+/// starts, says what it waits for, stops cleanly on SIGTERM meanwhile, and goes on once the file
+/// system is writable, without a restart. A read-only mount over a writable file system (what a
+/// unit's ProtectSystem makes of a path outside its ReadWritePaths) stays a configuration error.
+#[test]
+#[serial]
+fn an_output_file_system_read_only_at_start_is_waited_for() {
+    let world = World::new(FAST);
+    add(&world, 0..3);
+    let out = world.out();
+    let _tmpfs = Tmpfs::mount(&out, "64m");
+    mount(&["-o", "remount,ro"], &out);
+
+    let checked = world.run(&["check-config"]);
+    let said = String::from_utf8_lossy(&checked.stderr).to_string();
+    assert_eq!(checked.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("Read-only file system")
+            && said.contains("the whole file system is read-only"),
+        "{said}"
+    );
+    let waiting = |svc: &Service| {
+        svc.wait_for("the service waiting for the output folder", || {
+            svc.log().contains("waiting for it")
+        })
+    };
+    let svc = Service::spawn(&world);
+    waiting(&svc);
+    let log = svc.terminate();
+    assert!(log.contains("stopping while waiting"), "{log}");
+
+    let mut svc = Service::spawn(&world);
+    waiting(&svc);
+    std::thread::sleep(Duration::from_secs(6));
+    assert!(svc.child.try_wait().unwrap().is_none(), "{}", svc.log());
+    mount(&["-o", "remount,rw"], &out);
+    svc.wait("the recordings, once writable", |s| committed(s) == 3);
+    let log = svc.terminate();
+    assert!(log.contains("the folders can be used now"), "{log}");
+
+    // A read-only bind mount of the folder over its writable file system: configuration.
+    mount(&["--bind", out.to_str().unwrap()], &out);
+    mount(&["-o", "remount,bind,ro"], &out);
+    let checked = world.run(&["check-config"]);
+    let ran = exit_within(
+        &mut world
+            .cmd(&["run"])
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+        Duration::from_secs(30),
+    );
+    let _ = Command::new("umount").arg(&out).status();
+    let said = String::from_utf8_lossy(&checked.stderr).to_string();
+    assert_eq!(checked.status.code(), Some(2), "{said}");
+    assert!(said.contains("Read-only file system"), "{said}");
+    assert_eq!(ran.and_then(|s| s.code()), Some(2));
+    compare_with_rebuild(&world);
+}

@@ -166,8 +166,16 @@ pub fn reconcile_with(
     changed_or_gone(root, &found, known, threads, &out);
     for rel in unlisted {
         crate::pace::give_way()?;
-        if std::fs::symlink_metadata(root.join(&rel)).is_err() {
-            lock(&out).push(|p| p.removed.push(rel));
+        // Gone. A recorded path that cannot be looked at (under a folder the service may not
+        // read, or an I/O error) is not taken for deleted: it keeps its row, and the listing
+        // said which folder it could not list.
+        if let Err(e) = std::fs::symlink_metadata(root.join(&rel)) {
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            ) {
+                lock(&out).push(|p| p.removed.push(rel));
+            }
         }
     }
     lock(&out).flush(true);

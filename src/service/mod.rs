@@ -59,6 +59,87 @@ fn signal_mask(how: libc::c_int) {
     }
 }
 
+/// How often [`wait_for_paths`] checks the folders again.
+const PATHS_RECHECK: Duration = Duration::from_secs(5);
+
+/// `run`'s check of its folders ([`Settings::check_paths_for_run`]), waiting while one cannot
+/// be used for a reason that may pass (a file system read-only after disk errors, an I/O
+/// error): said once in the log and to systemd (ready, with the reason as its status line, and
+/// the watchdog fed), checked again every [`PATHS_RECHECK`], and gone on from as soon as the
+/// folders can be used, without a restart. A configuration error is returned (exit 2). Returns
+/// false when a SIGTERM or SIGINT came meanwhile: the service stops there (exit 0). Called with
+/// the service's signals held ([`hold_signals`]).
+pub fn wait_for_paths(settings: &Settings) -> anyhow::Result<bool> {
+    use crate::config::PathsError;
+    let mut waiting = false;
+    loop {
+        let why = match settings.check_paths_for_run() {
+            Ok(()) => {
+                if waiting {
+                    log::warn!("the folders can be used now: starting");
+                }
+                return Ok(true);
+            }
+            Err(PathsError::Unavailable(why)) => why,
+            Err(e) => return Err(e.into()),
+        };
+        if !waiting {
+            log::warn!(
+                "{why}: waiting for it (checked again every {} s)",
+                PATHS_RECHECK.as_secs()
+            );
+            let status = format!("waiting: {why}");
+            let _ = sd_notify::notify(&[NotifyState::Ready, NotifyState::Status(&status)]);
+            catch_held_signals();
+            waiting = true;
+        }
+        let _ = sd_notify::notify(&[NotifyState::Watchdog]);
+        match held_signal_within(PATHS_RECHECK) {
+            Some(libc::SIGHUP) => {
+                log::info!(
+                    "SIGHUP while waiting: the configuration is read once the service starts"
+                )
+            }
+            Some(_) => {
+                log::info!("stopping while waiting for the folders");
+                return Ok(false);
+            }
+            None => {}
+        }
+    }
+}
+
+/// A handler that does nothing for each held signal ([`ANSWERED`]): they stay held and are taken
+/// by [`held_signal_within`] (or, once the service runs, by its own handlers, which replace
+/// these), but the process shows that it answers them (`SigCgt`), which `sigtimedwait` alone
+/// does not while it waits.
+fn catch_held_signals() {
+    extern "C" fn nothing(_: libc::c_int) {}
+    for s in ANSWERED {
+        // SAFETY: a handler that touches nothing, for signals this thread holds.
+        unsafe { libc::signal(s, nothing as *const () as libc::sighandler_t) };
+    }
+}
+
+/// The first of the held signals ([`ANSWERED`]) that comes within `limit`, taken.
+fn held_signal_within(limit: Duration) -> Option<libc::c_int> {
+    // SAFETY: a local, initialised signal set and timeout; the signals are blocked in this
+    // thread (hold_signals), as sigtimedwait requires.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in ANSWERED {
+            libc::sigaddset(&mut set, s);
+        }
+        let timeout = libc::timespec {
+            tv_sec: limit.as_secs() as libc::time_t,
+            tv_nsec: limit.subsec_nanos() as libc::c_long,
+        };
+        let sig = libc::sigtimedwait(&set, std::ptr::null_mut(), &timeout);
+        (sig > 0).then_some(sig)
+    }
+}
+
 /// Entry point of `ailhd run`: a runtime, the service, and the process signals as shutdown.
 pub fn run(settings: Settings, config_path: Option<PathBuf>) -> anyhow::Result<()> {
     // The settle stage asks the kernel whether a writer holds a recording by taking a read lease

@@ -33,6 +33,9 @@ pub struct Listing {
     pieces: Vec<String>,
     entries: Vec<Entry>,
     reasons: Vec<Reason>,
+    /// Folders that could not be listed (whole or in part), with why: what is below them is
+    /// missing from the listing, not gone from the tree.
+    unlisted: Vec<(String, String)>,
 }
 
 /// The text of an entry.
@@ -134,6 +137,16 @@ impl Listing {
         self.push(rel, RECORDING);
     }
 
+    /// Folders that could not be listed (relative, ending with `/`; the root is ""), with the
+    /// error: their recordings are not in the listing, whether or not they are in the tree.
+    pub fn unlisted(&self) -> &[(String, String)] {
+        &self.unlisted
+    }
+
+    pub fn push_unlisted(&mut self, rel: &str, why: String) {
+        self.unlisted.push((rel.to_string(), why));
+    }
+
     pub fn push_rejected(&mut self, rel: &str, reason: Reason) {
         let r = u32::try_from(self.reasons.len()).expect("under 4 billion rejected paths");
         self.reasons.push(reason);
@@ -146,6 +159,7 @@ impl Listing {
         let (first_piece, first_reason) = (self.pieces.len() as u32, self.reasons.len() as u32);
         self.pieces.extend(other.pieces);
         self.reasons.extend(other.reasons);
+        self.unlisted.extend(other.unlisted);
         self.entries.reserve_exact(other.entries.len());
         self.entries
             .extend(other.entries.into_iter().map(|e| Entry {

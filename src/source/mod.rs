@@ -166,12 +166,21 @@ fn scan_folder(
     found: &mut Listing,
     mut defer: Option<&mut Vec<Deferred>>,
 ) {
+    // A folder that cannot be listed (no permission, an I/O error) is said, and kept in the
+    // listing's `unlisted`: what is below it is not there to the listing, not gone.
+    let unlisted = |found: &mut Listing, rel: &str, e: std::io::Error| {
+        log::warn!(
+            "cannot list {}: {e}; the recordings under it are not looked at (the service user \
+             must be able to read every folder under paths.recordings)",
+            dir.display()
+        );
+        found.push_unlisted(rel, e.to_string());
+    };
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
-        Err(e) => {
-            log::warn!("scanning {}: {e}", dir.display());
-            return;
-        }
+        // Gone since its parent was listed: as if it had not been there.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+        Err(e) => return unlisted(found, rel, e),
     };
     let base = rel.len();
     for entry in entries {
@@ -181,8 +190,8 @@ fn scan_folder(
         let entry = match entry {
             Ok(e) => e,
             Err(e) => {
-                log::warn!("scanning {}: {e}", dir.display());
-                continue;
+                rel.truncate(base);
+                return unlisted(found, rel, e);
             }
         };
         // The type from the listing (d_type); std asks lstat only where a file system gives none.

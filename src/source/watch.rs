@@ -399,8 +399,10 @@ impl Drop for Watcher {
 /// before it is listed, so a sub-folder created meanwhile is either listed here or reported by
 /// its parent's watch (and then watched by [`Translator::dir_appeared`]).
 ///
-/// Only the root's failure is fatal. A folder a watch limit refuses is left in `unwatched` (the
-/// service retries it and rescans meanwhile); one that vanished meanwhile is skipped.
+/// Only the root's failure is fatal. A folder a watch limit refuses, or one that cannot be
+/// watched or listed for now (no permission, an I/O error), is left in `unwatched` (the service
+/// retries it and rescans meanwhile, and its recorded recordings keep their rows); one that
+/// vanished meanwhile is skipped.
 fn watch_tree(
     inner: &mut RecommendedWatcher,
     root: &Path,
@@ -410,19 +412,25 @@ fn watch_tree(
     let mut queue = std::collections::VecDeque::from([root.to_path_buf()]);
     while let Some(dir) = queue.pop_front() {
         let is_root = dir == root;
+        let not_now = |e: WatchError| {
+            log::warn!("{e}; retrying, and rescanning the tree until it is watched");
+            unwatched
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(dir.clone(), e.to_string());
+        };
         match inner.watch(&dir, RecursiveMode::NonRecursive) {
             Ok(()) => {}
-            // A limit is not a reason to stop: the folder is retried and rescanned meanwhile.
-            Err(e) if is_limit(&e) => {
-                let e = WatchError::from_notify(&dir, e);
-                log::warn!("{e}; retrying, and rescanning the tree until it is watched");
-                unwatched
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .insert(dir.clone(), e.to_string());
-            }
             Err(e) if !is_root && matches!(e.kind, notify::ErrorKind::PathNotFound) => continue,
             Err(e) if !is_root && is_not_found(&e) => continue,
+            // A limit is not a reason to stop: the folder is retried and rescanned meanwhile.
+            Err(e) if is_limit(&e) => not_now(WatchError::from_notify(&dir, e)),
+            // Nor is one folder that cannot be watched (no permission, say): the others are.
+            // It cannot be listed either, so its sub-folders wait for it.
+            Err(e) if !is_root => {
+                not_now(WatchError::from_notify(&dir, e));
+                continue;
+            }
             Err(e) => return Err(WatchError::from_notify(&dir, e)),
         }
         // A folder's link count is 2 + its sub-folders on the usual Linux file systems (ext4,
@@ -436,11 +444,16 @@ fn watch_tree(
             Ok(entries) => entries,
             Err(e) if !is_root && e.kind() == io::ErrorKind::NotFound => continue,
             Err(e) => {
-                return Err(WatchError::Watch {
-                    path: dir,
+                let e = WatchError::Watch {
+                    path: dir.clone(),
                     advice: explain_io(&e),
                     source: notify::Error::io(e),
-                })
+                };
+                if is_root {
+                    return Err(e);
+                }
+                not_now(e);
+                continue;
             }
         };
         for entry in entries.flatten() {
@@ -602,7 +615,10 @@ impl Translator {
             match err.kind {
                 // Gone again already; its removal is (or will be) reported.
                 notify::ErrorKind::PathNotFound => return,
-                _ if is_limit(&err) => {
+                _ if is_not_found(&err) => return,
+                // A limit, or a folder that cannot be watched for now (no permission, say):
+                // retried, and the tree rescanned meanwhile.
+                _ => {
                     let reason = WatchError::from_notify(abs, err).to_string();
                     self.unwatched
                         .lock()
@@ -615,13 +631,6 @@ impl Translator {
                         ),
                     })
                 }
-                _ => emit(WatchEvent::Rescan {
-                    reason: format!(
-                        "cannot watch new folder {}: {}",
-                        rel.display(),
-                        explain(&err)
-                    ),
-                }),
             }
         }
         self.walk(abs, Some(files), emit);
