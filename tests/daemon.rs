@@ -326,6 +326,55 @@ fn a_hard_linked_recording_written_in_place_changes_under_every_name() {
     svc.terminate();
 }
 
+/// New bytes written while the service was stopped, with the file's size and mtime as they were
+/// (`cp -p`, `touch -r`: every clip of the same length has the same size), are found at the
+/// next start by the inode's change time, which no one can set back, and supersede the old row
+/// as a rebuild's would. A change of attributes alone (a chmod) is looked at once and found
+/// unchanged.
+#[test]
+#[serial]
+fn bytes_changed_with_the_mtime_put_back_while_stopped_are_found_at_the_start() {
+    let world = World::new(
+        "[ingest]\nsettle_ms = 100\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n",
+    );
+    let rec = world.rec();
+    write_via_rename(&rec, "LEAK/a.wav", &clip_wav("LEAK", 11));
+    write_via_rename(&rec, "NORMAL/b.wav", &clip_wav("NORMAL", 12));
+    let svc = Service::start(&world);
+    svc.wait("the recordings", |s| committed(s) == 2);
+    svc.terminate();
+
+    let path = rec.join("LEAK/a.wav");
+    let (size, mtime) = {
+        let m = std::fs::metadata(&path).unwrap();
+        (m.len(), m.modified().unwrap())
+    };
+    std::thread::sleep(Duration::from_millis(20));
+    let new = clip_wav("LEAK", 13);
+    assert_eq!(new.len() as u64, size);
+    std::fs::write(&path, &new).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(
+        rec.join("NORMAL/b.wav"),
+        std::fs::Permissions::from_mode(0o640),
+    )
+    .unwrap();
+    let ingested = |s: &serde_json::Value| s["service"]["ingested"].as_u64().unwrap_or(0);
+    let svc = Service::start(&world);
+    let snap = svc.wait("the new bytes at the start", |s| {
+        ingested(s) >= 1 && s["service"]["queue_depth"] == 0
+    });
+    assert_eq!(committed(&snap), 2, "{snap}");
+    svc.terminate();
+    compare_with_rebuild(&world);
+}
+
 /// Every row of the outputs, read plainly (the service stopped): per split, (blake3 hex,
 /// source_path, label, valid).
 fn all_rows(world: &World) -> Vec<Vec<(String, String, i64, i64)>> {

@@ -56,8 +56,9 @@ impl<'a> FolderStat<'a> {
         FolderStat { root, folder: None }
     }
 
-    /// Size and mtime (ns) of `rel`, or None when it is not there (or cannot be looked at).
-    fn stat(&mut self, rel: &str) -> Option<(u64, i64)> {
+    /// Size, mtime and ctime (ns) of `rel`, or None when it is not there (or cannot be looked
+    /// at).
+    fn stat(&mut self, rel: &str) -> Option<(u64, i64, i64)> {
         use std::os::fd::AsRawFd;
         let (dir, name) = rel.rsplit_once('/').unwrap_or(("", rel));
         if self.folder.as_ref().is_none_or(|(d, _)| d != dir) {
@@ -73,6 +74,7 @@ impl<'a> FolderStat<'a> {
             (
                 st.st_size as u64,
                 st.st_mtime * 1_000_000_000 + st.st_mtime_nsec,
+                st.st_ctime * 1_000_000_000 + st.st_ctime_nsec,
             )
         })
     }
@@ -230,8 +232,9 @@ impl Emitter<'_> {
     }
 }
 
-/// Listed recordings that have a record: (index in the listing, recorded size, mtime).
-type Known = Vec<(u32, u64, i64)>;
+/// Listed recordings that have a record: (index in the listing, recorded size, mtime, and when
+/// the record was written, Unix ms).
+type Known = Vec<(u32, u64, i64, i64)>;
 
 /// `0..len` in `parts` consecutive ranges as even as can be.
 fn ranges(len: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
@@ -331,7 +334,7 @@ fn new_paths_in(
                 lock(out).push(|p| p.changed.push(rel.to_string()))
             }
             (Item::Recording(_), Some(rec)) => {
-                known.push((i as u32, rec.size, rec.mtime_ns));
+                known.push((i as u32, rec.size, rec.mtime_ns, rec.updated_ms));
             }
             (Item::Rejected { rel, reason }, rec) => {
                 let same = rec
@@ -369,15 +372,21 @@ fn changed_or_gone(
         for range in ranges(known.len(), threads) {
             scope.spawn(crate::pace::with_this_gate(move || {
                 let mut folders = FolderStat::new(root);
-                for &(i, size, mtime_ns) in &known[range] {
+                for &(i, size, mtime_ns, recorded_ms) in &known[range] {
                     if crate::pace::give_way().is_err() {
                         break;
                     }
                     let rel = found.rel(i as usize);
-                    let Some(now) = folders.stat(rel) else {
+                    let Some((now_size, now_mtime, ctime_ns)) = folders.stat(rel) else {
                         continue; // gone since the listing: the watcher reports it
                     };
-                    if now != (size, mtime_ns) {
+                    // Another size or mtime, or an inode changed after its record was written
+                    // (its ctime, which no one can set): bytes written with the mtime put back
+                    // (`cp -p`, `touch -r`), a file renamed over it, a chmod, while no event
+                    // could say so. Looked at again; the same bytes are found unchanged.
+                    let changed = (now_size, now_mtime) != (size, mtime_ns)
+                        || ctime_ns.div_euclid(1_000_000) > recorded_ms;
+                    if changed {
                         lock(out).push(|p| p.changed.push(rel.to_string()));
                     }
                 }
