@@ -802,8 +802,18 @@ fn a_folder_the_service_may_not_read_keeps_its_rows_and_stops_nothing() {
     svc.wait_for("two more rescans", || {
         svc.log().matches("cannot list").count() >= 3
     });
-    let snap = svc.snapshot().unwrap();
+    let snap = svc.wait("status naming the folder", |s| {
+        s["service"]["last_errors"].as_array().is_some_and(|a| {
+            a.iter()
+                .any(|e| e.as_str().unwrap().contains("cannot list"))
+        })
+    });
     assert_eq!(committed(&snap), 6, "{snap}\n{}", svc.log());
+    let text = ok(&world.run(&["status"]));
+    assert!(
+        text.contains(&format!("cannot list {}/", leak.display())),
+        "{text}"
+    );
     svc.terminate();
 
     // A start with it unreadable: up, the folder listed as not watched, the others taken.

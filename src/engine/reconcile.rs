@@ -18,6 +18,9 @@ pub struct Reconciliation {
     pub removed: Vec<String>,
     /// Rejected paths not yet recorded with that reason.
     pub rejected: Vec<Observation>,
+    /// Folders the listing could not list, with why ([`crate::source::Listing::unlisted`]):
+    /// their recorded recordings are kept, and new ones under them are not seen.
+    pub unlisted: Vec<(String, String)>,
 }
 
 /// The recordings folder holds nothing while the manifest knows recordings. Taken as a disk
@@ -157,6 +160,9 @@ pub fn reconcile_with(
             .unwrap_or_else(Instant::now),
         emit,
     });
+    if !found.unlisted().is_empty() {
+        lock(&out).push(|p| p.unlisted.extend(found.unlisted().iter().cloned()));
+    }
     let threads = if start { threads_for(found.len()) } else { 1 };
     let (known, unlisted) = new_paths(manifest, &found, threads, start, &out)?;
     lock(&out).flush(true);
@@ -224,7 +230,10 @@ impl Emitter<'_> {
             return;
         }
         let p = &self.part;
-        let any = !p.changed.is_empty() || !p.removed.is_empty() || !p.rejected.is_empty();
+        let any = !p.changed.is_empty()
+            || !p.removed.is_empty()
+            || !p.rejected.is_empty()
+            || !p.unlisted.is_empty();
         if any && (force || self.last.elapsed() >= RECONCILE_REPORT_EVERY) {
             (self.emit)(std::mem::take(&mut self.part));
             self.last = Instant::now();

@@ -63,7 +63,7 @@ fn disk_answers(settings: &Settings) -> bool {
 /// A comparison of the tree with the manifest running on a thread of its own, with the gate
 /// it gives way at, which calls it off. Its thread returns how it failed, if it did.
 pub(super) struct Rescan {
-    handle: std::thread::JoinHandle<Option<RescanFailed>>,
+    handle: std::thread::JoinHandle<RescanEnd>,
     gate: Arc<crate::pace::Gate>,
 }
 
@@ -72,6 +72,13 @@ pub(super) struct Rescan {
 pub(super) struct RescanFailed {
     error: anyhow::Error,
     recovery: bool,
+}
+
+/// How a comparison of the tree with the manifest ended: failed, and the folders it could not
+/// list (relative, with why), which `status` lists among the errors.
+pub(super) struct RescanEnd {
+    failed: Option<RescanFailed>,
+    unlisted: Vec<(String, String)>,
 }
 
 /// The ingest worker: drives the engine, closes it when idle, and rides out write failures.
@@ -288,15 +295,16 @@ impl Worker {
                 lower_priority();
                 crate::pace::install(Some(gate.clone()));
                 // What it finds goes on at once, part by part: new recordings first.
-                let (mut changed, mut gone) = (0, 0);
+                let (mut changed, mut gone, mut unlisted) = (0, 0, Vec::new());
                 let result = crate::engine::reconcile_with(
                     &settings,
                     &manifest,
                     listed,
                     start,
-                    &mut |part| {
+                    &mut |mut part| {
                         changed += part.changed.len();
                         gone += part.removed.len();
+                        unlisted.append(&mut part.unlisted);
                         let _ = report.send(Report::Reconciled(part));
                     },
                 );
@@ -333,7 +341,7 @@ impl Worker {
                 };
                 // The listing of the whole tree is freed: give its pages back.
                 crate::memory::release_free_memory();
-                failed
+                RescanEnd { failed, unlisted }
             });
         match spawned {
             Ok(handle) => self.reconciling = Some(Rescan { handle, gate: kept }),
@@ -362,18 +370,29 @@ impl Worker {
             return;
         }
         let r = self.reconciling.take().expect("checked above");
-        match r.handle.join() {
-            Ok(Some(RescanFailed {
+        let Ok(end) = r.handle.join() else {
+            return;
+        };
+        for (folder, why) in end.unlisted {
+            crate::metrics::error("rescan");
+            self.recent.push_error(format!(
+                "rescan: cannot list {}/{folder}: {why}; the recordings under it keep their rows, and new ones are not seen until it can be read",
+                self.settings.paths.recordings.display()
+            ));
+            self.dirty = true;
+        }
+        match end.failed {
+            Some(RescanFailed {
                 error,
                 recovery: true,
-            })) => {
+            }) => {
                 self.fail(error.context("comparing the tree with the manifest after the recovery"))
             }
-            Ok(Some(RescanFailed { error, .. })) => {
+            Some(RescanFailed { error, .. }) => {
                 self.recent.push_error(format!("rescan: {error:#}"));
                 self.dirty = true;
             }
-            _ => {}
+            None => {}
         }
     }
 
