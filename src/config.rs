@@ -1143,14 +1143,17 @@ pub(crate) fn file_system_read_only(path: &Path) -> bool {
         }
         let depth = point.components().count();
         if best.is_none_or(|(d, _)| depth >= d) {
-            let super_ro = fs
-                .split(' ')
-                .nth(2)
-                .is_some_and(|opts| opts.split(',').any(|o| o == "ro"));
+            let super_ro = fs.split(' ').nth(2).is_some_and(super_options_read_only);
             best = Some((depth, super_ro));
         }
     }
     best.is_some_and(|(_, ro)| ro)
+}
+
+/// Whether a file system's options in mountinfo say it is read-only: `ro`, or ext4's
+/// `emergency_ro` (Linux 6.x keeps `rw` beside it once it stopped writing after an error).
+fn super_options_read_only(options: &str) -> bool {
+    options.split(',').any(|o| o == "ro" || o == "emergency_ro")
 }
 
 /// A mountinfo field with its octal escapes (`\040` for a space) undone.
@@ -1183,6 +1186,14 @@ fn unescape_mountinfo(field: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_system_is_read_only_by_ro_or_ext4s_emergency_ro() {
+        assert!(super_options_read_only("ro,errors=remount-ro"));
+        assert!(super_options_read_only("rw,errors=remount-ro,emergency_ro"));
+        assert!(!super_options_read_only("rw,errors=remount-ro"));
+        assert!(!super_options_read_only("rw,size=65536k,mode=755"));
+    }
 
     #[test]
     fn mountinfo_escapes_are_undone() {

@@ -941,3 +941,72 @@ fn an_output_file_system_read_only_at_start_is_waited_for() {
     assert_eq!(ran.and_then(|s| s.code()), Some(2));
     compare_with_rebuild(&world);
 }
+
+/// The kernel's own case of [`an_output_file_system_read_only_at_start_is_waited_for`]: ext4
+/// mounted `errors=remount-ro` stops writing after an error (Linux 6.x says `emergency_ro`
+/// beside `rw`). `run` started then waits without holding a file on the disk, so the operator
+/// can unmount it, repair it and mount it again; the service then starts by itself.
+#[test]
+#[serial]
+fn an_ext4_disk_stopped_after_an_error_is_waited_for_and_can_be_repaired() {
+    let world = World::with_paths(FAST, "disk/out", "disk/state");
+    add(&world, 0..3);
+    let disk = world.dir.path().join("disk");
+    std::fs::create_dir_all(&disk).unwrap();
+    let img = world.dir.path().join("ext4.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let mkfs = Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&img)
+        .status();
+    assert!(
+        mkfs.is_ok_and(|s| s.success()),
+        "this test needs mkfs.ext4 (e2fsprogs) and loop devices"
+    );
+    let img_arg = img.to_str().unwrap();
+    mount(&["-o", "loop,errors=remount-ro", img_arg], &disk);
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(self.0).status();
+        }
+    }
+    let mounted = Unmount(&disk);
+    let source = Command::new("findmnt")
+        .args(["-n", "-o", "SOURCE"])
+        .arg(&disk)
+        .output()
+        .unwrap();
+    let dev = String::from_utf8_lossy(&source.stdout)
+        .trim()
+        .replace("/dev/", "");
+    std::fs::write(format!("/sys/fs/ext4/{dev}/trigger_fs_error"), "1")
+        .expect("this test makes ext4 stop writing through /sys/fs/ext4/<dev>/trigger_fs_error");
+
+    let checked = world.run(&["check-config"]);
+    let said = String::from_utf8_lossy(&checked.stderr).to_string();
+    assert_eq!(checked.status.code(), Some(1), "{said}");
+    let mut svc = Service::spawn(&world);
+    svc.wait_for("the service waiting for the disk", || {
+        svc.log().contains("waiting for it")
+    });
+    // It holds nothing there: the disk can be unmounted, repaired and mounted again.
+    drop(mounted);
+    let fsck = Command::new("e2fsck")
+        .arg("-fy")
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(fsck.status.code().is_some_and(|c| c <= 1), "{fsck:?}");
+    mount(&["-o", "loop", img_arg], &disk);
+    let _mounted = Unmount(&disk);
+    svc.wait("the recordings, once the disk is back", |s| {
+        committed(s) == 3
+    });
+    assert!(svc.child.try_wait().unwrap().is_none());
+    svc.terminate();
+    compare_with_rebuild(&world);
+}
