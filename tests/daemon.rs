@@ -298,9 +298,7 @@ fn shared_bytes_moves_links_and_unusable_files_follow_one_set_of_rules() {
 #[test]
 #[serial]
 fn a_hard_linked_recording_written_in_place_changes_under_every_name() {
-    let world = World::new(
-        "[ingest]\nsettle_ms = 100\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n",
-    );
+    let world = World::new(PATIENT);
     let rec = world.rec();
     write_via_rename(&rec, "LEAK/a.wav", &clip_wav("LEAK", 1));
     let svc = Service::start(&world);
@@ -334,9 +332,7 @@ fn a_hard_linked_recording_written_in_place_changes_under_every_name() {
 #[test]
 #[serial]
 fn bytes_changed_with_the_mtime_put_back_while_stopped_are_found_at_the_start() {
-    let world = World::new(
-        "[ingest]\nsettle_ms = 100\nmax_batch_latency_ms = 10\nrescan_interval_s = 0\ndevice = \"cpu\"\n",
-    );
+    let world = World::new(PATIENT);
     let rec = world.rec();
     write_via_rename(&rec, "LEAK/a.wav", &clip_wav("LEAK", 11));
     write_via_rename(&rec, "NORMAL/b.wav", &clip_wav("NORMAL", 12));

@@ -851,15 +851,7 @@ fn a_folder_the_service_may_not_read_keeps_its_rows_and_stops_nothing() {
     // `rebuild` with the folder unreadable: refused, naming it; the outputs unchanged.
     std::fs::set_permissions(&leak, std::fs::Permissions::from_mode(0o000)).unwrap();
     let before = committed_rows(&world);
-    let o = Command::new(nobody[0])
-        .args(&nobody[1..])
-        .arg("ailhd")
-        .arg("--config")
-        .arg(&world.config)
-        .arg("rebuild")
-        .env_remove("AILHD_CONFIG")
-        .output()
-        .unwrap();
+    let o = world.cmd_under(&nobody, &["rebuild"]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(

@@ -48,14 +48,21 @@ pub fn hold_signals() {
 }
 
 fn signal_mask(how: libc::c_int) {
-    // SAFETY: a local, initialised signal set, and the calling thread's own mask.
+    let set = answered_set();
+    // SAFETY: an initialised signal set, and the calling thread's own mask.
+    unsafe { libc::pthread_sigmask(how, &set, std::ptr::null_mut()) };
+}
+
+/// The signals the service answers ([`ANSWERED`]), as a signal set.
+fn answered_set() -> libc::sigset_t {
+    // SAFETY: a local signal set, initialised by sigemptyset before it is added to.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
         for s in ANSWERED {
             libc::sigaddset(&mut set, s);
         }
-        libc::pthread_sigmask(how, &set, std::ptr::null_mut());
+        set
     }
 }
 
@@ -97,7 +104,7 @@ pub fn wait_for_paths(settings: &Settings) -> anyhow::Result<bool> {
         match held_signal_within(PATHS_RECHECK) {
             Some(libc::SIGHUP) => {
                 log::info!(
-                    "SIGHUP while waiting: the configuration is read once the service starts"
+                    "SIGHUP while waiting for the folders: nothing to reload yet (the configuration read at the start stays in force)"
                 )
             }
             Some(_) => {
@@ -123,21 +130,15 @@ fn catch_held_signals() {
 
 /// The first of the held signals ([`ANSWERED`]) that comes within `limit`, taken.
 fn held_signal_within(limit: Duration) -> Option<libc::c_int> {
-    // SAFETY: a local, initialised signal set and timeout; the signals are blocked in this
-    // thread (hold_signals), as sigtimedwait requires.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        for s in ANSWERED {
-            libc::sigaddset(&mut set, s);
-        }
-        let timeout = libc::timespec {
-            tv_sec: limit.as_secs() as libc::time_t,
-            tv_nsec: limit.subsec_nanos() as libc::c_long,
-        };
-        let sig = libc::sigtimedwait(&set, std::ptr::null_mut(), &timeout);
-        (sig > 0).then_some(sig)
-    }
+    let set = answered_set();
+    let timeout = libc::timespec {
+        tv_sec: limit.as_secs() as libc::time_t,
+        tv_nsec: limit.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: an initialised signal set and timeout; the signals are blocked in this thread
+    // (hold_signals), as sigtimedwait requires.
+    let sig = unsafe { libc::sigtimedwait(&set, std::ptr::null_mut(), &timeout) };
+    (sig > 0).then_some(sig)
 }
 
 /// Entry point of `ailhd run`: a runtime, the service, and the process signals as shutdown.

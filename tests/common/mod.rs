@@ -84,6 +84,17 @@ impl World {
         c.env_remove("AILHD_CONFIG");
         c
     }
+    /// [`World::cmd`] run by a wrapper command (`sh -c '...; exec "$@"' sh`, say), which gets
+    /// the program and its arguments after its own.
+    pub fn cmd_under(&self, wrapper: &[&str], args: &[&str]) -> Command {
+        let inner = self.cmd(args);
+        let mut c = Command::new(wrapper[0]);
+        c.args(&wrapper[1..])
+            .arg(inner.get_program())
+            .args(inner.get_args())
+            .env_remove("AILHD_CONFIG");
+        c
+    }
     pub fn run(&self, args: &[&str]) -> Output {
         self.cmd(args).output().unwrap()
     }

@@ -26,13 +26,7 @@ impl Service {
     /// Start `run` under a wrapper command (`sh -c '...; exec "$@"' sh`, say), and wait until
     /// it is up.
     pub fn start_under(world: &World, wrapper: &[&str]) -> Service {
-        let inner = world.cmd(&["--verbose", "run"]);
-        let mut cmd = std::process::Command::new(wrapper[0]);
-        cmd.args(&wrapper[1..])
-            .arg(inner.get_program())
-            .args(inner.get_args())
-            .env_remove("AILHD_CONFIG");
-        let s = Service::spawn_cmd(world, cmd);
+        let s = Service::spawn_cmd(world, world.cmd_under(wrapper, &["--verbose", "run"]));
         s.wait("service up", |st| st["service"].is_object());
         s
     }
