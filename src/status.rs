@@ -194,16 +194,16 @@ pub fn collect(
         }
     }
     for (split, (name, rows)) in SPLITS.iter().zip(manifest.rows()?).enumerate() {
-        let per_label = summary.per_label[split]
-            .iter()
-            .map(|(&label, &n)| {
-                let name = labels
-                    .get(label as usize)
-                    .cloned()
-                    .unwrap_or_else(|| format!("#{label}"));
-                (name, n)
-            })
-            .collect();
+        // Every label of the outputs, with none of its rows valid shown as 0 (docs/json.md: a
+        // value is never left out).
+        let mut per_label: BTreeMap<String, u64> = labels.iter().map(|l| (l.clone(), 0)).collect();
+        for (&label, &n) in &summary.per_label[split] {
+            let name = labels
+                .get(label as usize)
+                .cloned()
+                .unwrap_or_else(|| format!("#{label}"));
+            *per_label.entry(name).or_default() += n;
+        }
         r.splits.insert(
             name.to_string(),
             SplitRows {

@@ -372,6 +372,74 @@ fn reload_reports_accepted_and_refused_configurations_through_its_exit_status() 
     assert!(log.contains("reload refused"), "{log}");
 }
 
+/// `ailhd_stage_seconds` counts from the process's start: an idle close (the outputs and the
+/// manifest closed, reopened for the next recording) does not take it back, and the stop's log
+/// line counts the same.
+#[test]
+#[serial]
+fn stage_seconds_keep_growing_across_an_idle_close() {
+    let dir = tempfile::tempdir().unwrap();
+    let prom = dir.path().join("ailhd.prom");
+    let world = World::new(&format!(
+        "{FAST}idle_close_s = 1\n[metrics]\ntextfile = {prom:?}\n"
+    ));
+    add_recordings(&world, 20);
+    let svc = Service::start(&world);
+    let metric = |name: &str| -> Option<f64> {
+        let text = std::fs::read_to_string(&prom).ok()?;
+        let line = text.lines().find(|l| l.starts_with(name))?;
+        line.rsplit(' ').next()?.parse().ok()
+    };
+    let featurise = "ailhd_stage_seconds{stage=\"featurise\"} ";
+    let wait = |what: &str, done: &dyn Fn() -> bool| {
+        let t = Instant::now();
+        while !done() {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "waited for {what}:\n{}\nlog:\n{}",
+                std::fs::read_to_string(&prom).unwrap_or_default(),
+                svc.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait("20 recordings ingested and their featurise time", &|| {
+        metric("ailhd_files_ingested_total ") == Some(20.0)
+            && metric(featurise).is_some_and(|v| v > 0.0)
+    });
+    wait("the idle close", &|| svc.log().contains("outputs closed"));
+    let before = metric(featurise).unwrap();
+    write_via_rename(
+        &world.rec(),
+        "LEAK/S100~R100~20250118120530~100.wav",
+        &clip_wav("LEAK", 930),
+    );
+    wait("the new recording's featurise time added", &|| {
+        let now = metric(featurise).unwrap_or(before);
+        assert!(
+            now >= before,
+            "ailhd_stage_seconds fell from {before} to {now} after the idle close"
+        );
+        now > before && metric("ailhd_files_ingested_total ") == Some(21.0)
+    });
+    let after = metric(featurise).unwrap();
+    let log = svc.terminate();
+    let line = log
+        .lines()
+        .find(|l| l.contains("stopping:"))
+        .unwrap_or_else(|| panic!("no stopping line: {log}"));
+    let logged: f64 = line
+        .split("featurise ")
+        .nth(1)
+        .and_then(|r| r.split('s').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no featurise time in {line}"));
+    assert!(
+        (logged - after).abs() < 0.002 && logged > 0.0,
+        "the stop logs featurise {logged} s, the metric said {after} s: {line}"
+    );
+}
+
 #[test]
 #[serial]
 fn the_service_keeps_a_prometheus_textfile() {

@@ -94,6 +94,9 @@ pub(super) struct Worker {
     /// The manifest of an engine abandoned after a failure, kept for the next open (dropping
     /// it while the disk fails is what sled handles worst).
     pub(super) kept_manifest: Option<Arc<crate::engine::manifest::Manifest>>,
+    /// The stage times of the engines closed so far in this process (an idle close, a failure):
+    /// `ailhd_stage_seconds` and the stop's log line count from the process's start.
+    pub(super) closed_stages: Vec<(&'static str, f64)>,
     /// The last status snapshot could not be written to the state folder (warned once).
     pub(super) snapshot_failing: bool,
     /// The comparison of the tree with the manifest, running beside the ingest on a thread of
@@ -140,6 +143,30 @@ impl Worker {
     /// Backoff before reopening after the n-th failure in a row: 1, 2, 4 ... 30 s.
     fn backoff(failures: u32) -> Duration {
         Duration::from_secs((1u64 << failures.saturating_sub(1).min(5)).min(30))
+    }
+
+    /// The engine taken out to be closed, its stage times kept with those of the engines
+    /// closed before it.
+    fn take_engine(&mut self) -> Option<Engine> {
+        let engine = self.engine.take()?;
+        self.closed_stages = self.stage_seconds_with(Some(&engine));
+        Some(engine)
+    }
+
+    /// Seconds per stage since the process started: the closed engines' and the open one's.
+    fn stage_seconds(&self) -> Vec<(&'static str, f64)> {
+        self.stage_seconds_with(self.engine.as_ref())
+    }
+
+    fn stage_seconds_with(&self, engine: Option<&Engine>) -> Vec<(&'static str, f64)> {
+        let mut total = engine.map_or_else(
+            || crate::engine::stages::StageTimes::default().seconds(),
+            |e| e.times().seconds(),
+        );
+        for ((_, t), (_, closed)) in total.iter_mut().zip(&self.closed_stages) {
+            *t += closed;
+        }
+        total
     }
 
     /// Open the engine if it is closed, with the warm featuriser when there is one.
@@ -219,7 +246,7 @@ impl Worker {
         self.end_reconcile();
         self.rescan_again = false;
         self.listed = None; // the recovery lists the tree again
-        if let Some(engine) = self.engine.take() {
+        if let Some(engine) = self.take_engine() {
             let (warm, manifest) = engine.abandon();
             self.warm = warm.map(crate::engine::Warm::Keep);
             self.kept_manifest = Some(manifest);
@@ -416,7 +443,7 @@ impl Worker {
         // The manifest is closed with the engine: no rescan may hold it.
         self.end_reconcile();
         self.snapshot();
-        let Some(engine) = self.engine.take() else {
+        let Some(engine) = self.take_engine() else {
             return;
         };
         match engine.suspend() {
@@ -519,6 +546,7 @@ impl Worker {
             engine: None,
             warm: None,
             kept_manifest: None,
+            closed_stages: Vec::new(),
             snapshot_failing: false,
             reconciling: None,
             recovering: false,
@@ -712,15 +740,19 @@ impl Worker {
                 f.error
             );
         }
-        let Some(engine) = self.engine.take() else {
-            return Ok(());
-        };
-        let stages: Vec<String> = engine
-            .times()
-            .seconds()
+        let stages: Vec<String> = self
+            .stage_seconds()
             .iter()
             .map(|(k, v)| format!("{k} {v:.3}s"))
             .collect();
+        let Some(engine) = self.engine.take() else {
+            log::info!(
+                "stopping: {} files ingested this run; time per stage: {}",
+                self.ingested,
+                stages.join(", ")
+            );
+            return Ok(());
+        };
         log::info!(
             "stopping: {} files ingested this run; time per stage: {}",
             self.ingested,
@@ -837,7 +869,7 @@ impl Worker {
                 Err(e) => log::warn!("cannot read the manifest for the status snapshot: {e:#}"),
             }
             self.labels = engine.labels().to_vec();
-            for (stage, secs) in engine.times().seconds() {
+            for (stage, secs) in self.stage_seconds() {
                 crate::metrics::stage_seconds(stage, secs);
             }
         }

@@ -2,8 +2,9 @@
 # System test: the Debian package under a real systemd. Builds the .deb (cargo deb), a minimal
 # Debian 12 rootfs (mmdebstrap from Debian's packages, cached), installs the package there with
 # dpkg, boots the rootfs with systemd-nspawn (systemd as the container's PID 1) and checks what
-# an operator relies on: the package's user, groups and enabled-not-started unit; one clean
-# failed start while unconfigured (no restart loop); READY=1; STATUS=; journal fields FILE and
+# an operator relies on: the package's user, groups and enabled-not-started unit; a start while
+# unconfigured that waits for the recordings folder, and one clean failed start (status 2, no
+# restart loop) for a configuration error; READY=1; STATUS=; journal fields FILE and
 # REASON; `systemctl reload` accepted (exit 0) and refused (non-zero); the metrics textfile and
 # (with the drop-in docs/operations.md gives) the HTTP endpoint;
 # new recordings ingested; watchdog restart after SIGSTOP; clean stop. Powers the container off.
@@ -130,9 +131,20 @@ echo "container PID 1 = host pid $CPID; $(C systemctl is-system-running)" | tee 
 sleep 3   # RestartSec=2: a restart loop would show by now
 J -o cat > "$OUT/unconfigured.txt"
 cat "$OUT/unconfigured.txt" | tail -4 | tee -a "$OUT/summary.txt"
-check "unconfigured: one failed start, exit status 2" [ "$(prop ExecMainStatus)" = 2 ]
+check "unconfigured: active, waiting for the recordings folder" [ "$(C systemctl is-active ailhd)" = active ]
 check "unconfigured: not restarted (no loop)" [ "$(prop NRestarts)" = 0 ]
-check "unconfigured: the journal names paths.recordings" grep -q 'paths.recordings' "$OUT/unconfigured.txt"
+check "unconfigured: the journal names paths.recordings, not there" grep -q 'paths.recordings = .*no such folder' "$OUT/unconfigured.txt"
+
+step "a configuration error: one failed start, exit status 2, not restarted"
+sed -i 's/^idle_close_s = [0-9]*/idle_close_s = "soon"/' "$ROOT/etc/ailhd/ailhd.toml"
+grep -q '^idle_close_s = "soon"' "$ROOT/etc/ailhd/ailhd.toml" || die "the shipped configuration has no idle_close_s line to break"
+C systemctl restart ailhd
+sleep 3   # RestartSec=2: a restart loop would show by now
+J -n 6 -o cat > "$OUT/misconfigured.txt"
+tail -3 "$OUT/misconfigured.txt" | tee -a "$OUT/summary.txt"
+check "misconfigured: exit status 2" [ "$(prop ExecMainStatus)" = 2 ]
+check "misconfigured: not restarted (no loop)" [ "$(prop NRestarts)" = 0 ]
+check "misconfigured: the journal names the key" grep -q 'idle_close_s' "$OUT/misconfigured.txt"
 
 # ------------------------------------------------------------------ configure and start
 step "configure, start"
