@@ -2,7 +2,36 @@
 //! started us, to stderr otherwise.
 
 use log::{Level, LevelFilter, Log, Metadata, Record};
+use std::cell::Cell;
 use std::io::Write;
+
+thread_local! {
+    /// Set while [`contain`] runs on this thread.
+    static CONTAINED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Run `f`, catching a panic in it: sled panics when its files fail half-way through an open or
+/// a close, cudarc on a missing library or symbol. The caller turns the panic into an error or
+/// a log line that says what failed and what happens next, so the panic's own message goes to
+/// the log at debug level instead of the default hook's "thread ... panicked at" lines on
+/// stderr (the journal, under systemd). A panic anywhere else is reported as before.
+pub fn contain<R>(f: impl FnOnce() -> R) -> std::thread::Result<R> {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if CONTAINED.with(Cell::get) {
+                log::debug!("contained panic: {info}");
+            } else {
+                default(info);
+            }
+        }));
+    });
+    let was = CONTAINED.replace(true);
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    CONTAINED.set(was);
+    run
+}
 
 /// `verbosity`: 0 = warnings, 1 = `--verbose` (info), 2 = `--debug`. The service logs at info.
 pub fn init(verbosity: u8, service: bool) {

@@ -120,7 +120,7 @@ pub fn compact(dir: &Path) -> anyhow::Result<Compacted> {
     restore(dir);
     anyhow::ensure!(dir.join("db").exists(), "no manifest at {}", dir.display());
     let before = disk_bytes(dir);
-    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| copy_and_swap(dir)));
+    let run = crate::logging::contain(|| copy_and_swap(dir));
     let outcome = match run {
         Ok(Ok(records)) => {
             return Ok(Compacted {

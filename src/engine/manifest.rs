@@ -280,7 +280,7 @@ impl Manifest {
     /// is contained here too, and the service goes on.
     pub fn fold_log(dir: &Path) {
         let t = std::time::Instant::now();
-        let folded = std::panic::catch_unwind(|| {
+        let folded = crate::logging::contain(|| {
             // Test builds (feature `failpoints`): `FAILPOINTS=fold-log=panic` panics here, as
             // sled would on a disk that fails while it opens (tests/faults.rs).
             fail::fail_point!("fold-log");
@@ -882,7 +882,7 @@ impl Drop for Manifest {
                 ManuallyDrop::take(&mut self.db),
             )
         };
-        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(handles))).is_err() {
+        if crate::logging::contain(move || drop(handles)).is_err() {
             log::error!(
                 "manifest {}: sled failed while closing (a disk error): what it had made durable is kept, the rest is taken up again at the next open",
                 self.path

@@ -17,7 +17,6 @@ use cudarc::cufft::{self, CudaFft};
 use cudarc::driver::{sys as dsys, CudaContext, CudaSlice, CudaStream, LaunchConfig};
 use half::f16;
 use serde::Serialize;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 /// Featurises on one NVIDIA GPU (ordinal 0). Built once, then kept warm.
 pub struct CudaFeaturiser {
@@ -356,7 +355,7 @@ impl CudaFeaturiser {
         if let Some(why) = &self.poisoned {
             bail!("the CUDA featuriser is disabled after an earlier failure ({why})");
         }
-        let why = match catch_unwind(AssertUnwindSafe(|| work(&mut *self))) {
+        let why = match crate::logging::contain(|| work(&mut *self)) {
             Ok(Ok(value)) => return Ok(value),
             Ok(Err(e)) => format!("{e:#}"),
             Err(payload) => format!("cudarc panicked: {}", panic_message(&*payload)),

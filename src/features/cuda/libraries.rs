@@ -9,7 +9,6 @@ use cudarc::driver::{self, sys as dsys};
 use cudarc::nvrtc;
 use serde::Serialize;
 use std::ffi::c_int;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -699,7 +698,7 @@ fn cufft_version() -> anyhow::Result<String> {
 
 /// Run `f`, turning a panic (cudarc panics on a missing symbol or library) into an error.
 pub(super) fn guarded<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    match crate::logging::contain(f) {
         Ok(r) => r,
         Err(payload) => Err(anyhow!("cudarc panicked: {}", panic_message(&*payload))),
     }
