@@ -66,6 +66,22 @@ fn reader_and_the_readme_h5py_snippet_share_one_process() {
     live_script("reader_beside_h5py", "idle_close_s = 1\n", 20, 41, 8);
 }
 
+/// Label names the service appends (`labels.unknown = "append"`) reach LiveDatasets that stay
+/// open, from both sources, beside a README-style h5py handle in the same process: in the
+/// attribute's room while the service runs, and past it after a restart
+/// (tests/py/reader_appended_labels.py).
+#[test]
+#[serial]
+fn appended_label_names_reach_open_readers() {
+    live_script(
+        "reader_appended_labels",
+        "idle_close_s = 60\n[labels]\nunknown = \"append\"\n",
+        10,
+        43,
+        6,
+    );
+}
+
 /// Run `tests/py/NAME.py` beside a service it starts itself: every row goes to training (plus
 /// `ingest` lines of the `[ingest]` table), `per_label` recordings per label wait in a pool
 /// outside the tree, and the first `initial` of them (in path order) are in the tree already.

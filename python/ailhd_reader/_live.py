@@ -858,6 +858,35 @@ def _refresh(dset):
         dset.refresh()
 
 
+_H5O_REFRESH = None
+
+
+def _refresh_attributes(f):
+    """The root group's attributes as the file holds them now. A SWMR reader keeps the root
+    group's object header as first read, so a label name the service appends to `labels_json`
+    stays unseen, even by another h5py handle on the file in this process (HDF5 shares it);
+    HDF5's H5Orefresh reads the header again. h5py offers it for datasets only, so it is taken
+    from the HDF5 library h5py itself loaded. Returns the root group; False from the refresh
+    (no such function, or it failed) leaves the cached attributes."""
+    global _H5O_REFRESH
+    root = f["/"]
+    if not f.swmr_mode:
+        return root
+    if _H5O_REFRESH is None:
+        try:
+            import ctypes
+            import h5py
+            fn = ctypes.CDLL(h5py.h5o.__file__).H5Orefresh  # (its dependency, libhdf5)
+            fn.argtypes = [ctypes.c_int64]  # hid_t since HDF5 1.10
+            fn.restype = ctypes.c_int
+            _H5O_REFRESH = fn
+        except (OSError, AttributeError):
+            _H5O_REFRESH = False
+    if _H5O_REFRESH:
+        _H5O_REFRESH(root.id.id)
+    return root
+
+
 def _open_h5(h5py, path):
     """SWMR read open (works whether or not a writer is appending), as the ailhd README's h5py
     snippet opens it: `h5py.File(path, "r", libver="latest", swmr=True)`, HDF5's default file
@@ -1480,6 +1509,8 @@ class _Hdf5Files:
             if self.names is None or (len(labels) and int(labels.max()) >= len(self.names)):
                 # (Names are only ever appended: read again when a row has a label id past them.)
                 self.names = _json_text(f.attrs["labels_json"])
+                if len(labels) and int(labels.max()) >= len(self.names):
+                    self.names = _json_text(_refresh_attributes(f).attrs["labels_json"])
         except (KeyError, OSError, RuntimeError) as e:
             self.broken = True
             raise OutputsChanged(f"{self.path}: {e}") from e
