@@ -182,6 +182,37 @@ pub fn rel_string(rel: &Path) -> Result<String, PlacementError> {
     Ok(out)
 }
 
+/// A relative path as the manifest keys it and `status` shows it: [`rel_string`]'s for a UTF-8
+/// path; otherwise its UTF-8 runs as they are and each byte that is not UTF-8 as `\xNN`, so that
+/// two names that differ only in such bytes keep records of their own (a lossy conversion made
+/// both U+FFFD, one record for two files). Such a path is only ever quarantined.
+pub fn rel_key(rel: &Path) -> String {
+    if let Ok(s) = rel_string(rel) {
+        return s;
+    }
+    let mut out = String::new();
+    for c in rel.components() {
+        if let Component::Normal(part) = c {
+            if !out.is_empty() {
+                out.push('/');
+            }
+            push_escaped(&mut out, part.as_encoded_bytes());
+        }
+    }
+    out
+}
+
+/// `name`'s UTF-8 runs, and each other byte as `\xNN` (see [`rel_key`]).
+pub fn push_escaped(out: &mut String, name: &[u8]) {
+    use std::fmt::Write;
+    for chunk in name.utf8_chunks() {
+        out.push_str(chunk.valid());
+        for b in chunk.invalid() {
+            let _ = write!(out, "\\x{b:02x}");
+        }
+    }
+}
+
 /// The label folder of a relative path, if it has one.
 pub fn label_folder<'a>(settings: &Settings, rel: &'a str) -> Option<&'a str> {
     let mut parts = rel.split('/');
@@ -266,6 +297,17 @@ pub fn hash_split(hash: &Hash, ratios: &[u32; 3]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_of_names_that_are_not_utf8_stay_apart() {
+        use std::os::unix::ffi::OsStrExt;
+        let key = |b: &[u8]| rel_key(Path::new(std::ffi::OsStr::from_bytes(b)));
+        assert_eq!(key(b"LEAK/a.wav"), "LEAK/a.wav");
+        assert_eq!(key(b"LEAK/x\xff.wav"), "LEAK/x\\xff.wav");
+        assert_ne!(key(b"LEAK/x\xff.wav"), key(b"LEAK/x\xfe.wav"));
+        // A folder that is not UTF-8, and a name with a valid multi-byte character beside.
+        assert_eq!(key(b"\xc3(/\xc3\xa9\xff.wav"), "\\xc3(/\u{e9}\\xff.wav");
+    }
 
     #[test]
     fn parses_the_acquisition_convention() {

@@ -292,6 +292,42 @@ fn shared_bytes_moves_links_and_unusable_files_follow_one_set_of_rules() {
     svc.terminate();
 }
 
+/// Two names that differ only in bytes that are not UTF-8 are two quarantined files, each listed
+/// (those bytes as `\xNN`) until it is deleted, before and after a restart. Their lossy names
+/// were one record: `status` listed one, and deleting either file un-listed the other.
+#[test]
+#[serial]
+fn names_that_differ_only_in_bytes_not_utf8_are_listed_apart() {
+    use std::os::unix::ffi::OsStrExt;
+    let world = World::new(FAST);
+    let rec = world.rec();
+    std::fs::create_dir_all(rec.join("LEAK")).unwrap();
+    let svc = Service::start(&world);
+    let name = |b: &[u8]| rec.join(std::ffi::OsStr::from_bytes(b));
+    std::fs::write(name(b"LEAK/x\xff.wav"), fixture_bytes("silence_pcm16")).unwrap();
+    std::fs::write(name(b"LEAK/x\xfe.wav"), fixture_bytes("tone_pcm16")).unwrap();
+    let snap = svc.wait("both quarantined", |s| quarantined(s).len() == 2);
+    let q = quarantined(&snap);
+    for key in ["LEAK/x\\xff.wav", "LEAK/x\\xfe.wav"] {
+        assert!(q[key].contains("not valid UTF-8"), "{q:?}");
+    }
+    std::fs::remove_file(name(b"LEAK/x\xff.wav")).unwrap();
+    svc.wait("the deleted one no longer listed", |s| {
+        !quarantined(s).contains_key("LEAK/x\\xff.wav")
+    });
+    let left = |s: &serde_json::Value| quarantined(s).into_keys().collect::<Vec<_>>();
+    std::thread::sleep(Duration::from_millis(2500)); // a snapshot or more later
+    assert_eq!(left(&svc.snapshot().unwrap()), ["LEAK/x\\xfe.wav"]);
+    svc.terminate();
+    let svc = Service::start(&world);
+    std::thread::sleep(Duration::from_millis(2500));
+    let snap = svc.wait("the start's comparison", |s| {
+        s["service"]["queue_depth"] == 0
+    });
+    assert_eq!(left(&snap), ["LEAK/x\\xfe.wav"]);
+    svc.terminate();
+}
+
 /// A recording with a second name (a hard link under another label) written in place through
 /// one name: the event names that one only, but both names hold the new bytes, as a rebuild
 /// finds. Without a look at the other name it kept the old bytes' row valid, under its label.

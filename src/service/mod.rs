@@ -719,7 +719,7 @@ fn rel_str(path: &Path) -> Option<String> {
     crate::identity::rel_string(path).ok()
 }
 
-/// A relative path as the manifest keys it (lossy only for names that are not UTF-8).
+/// A relative path as the manifest keys it ([`crate::identity::rel_key`]).
 fn lossy(path: &Path) -> String {
-    rel_str(path).unwrap_or_else(|| path.to_string_lossy().to_string())
+    crate::identity::rel_key(path)
 }

@@ -22,7 +22,8 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Clone, PartialEq)]
 pub enum Found {
     Recording(String),
-    /// A `*.wav` path that is not a recording; `rel` is lossy when the path is not UTF-8.
+    /// A `*.wav` path that is not a recording; `rel` has `\xNN` escapes when the path is not
+    /// UTF-8 ([`crate::identity::rel_key`]).
     Rejected {
         rel: String,
         reason: Reason,
@@ -49,10 +50,9 @@ pub fn classify(rel: &Path, file_type: FileType) -> Option<Found> {
     if !is_wav_name(name) {
         return None;
     }
-    let lossy = || rel.to_string_lossy().to_string();
     if file_type.is_symlink() {
         return Some(Found::Rejected {
-            rel: crate::identity::rel_string(rel).unwrap_or_else(|_| lossy()),
+            rel: crate::identity::rel_key(rel),
             reason: Reason::SymbolicLink,
         });
     }
@@ -62,7 +62,7 @@ pub fn classify(rel: &Path, file_type: FileType) -> Option<Found> {
     Some(match crate::identity::rel_string(rel) {
         Ok(s) => Found::Recording(s),
         Err(_) => Found::Rejected {
-            rel: lossy(),
+            rel: crate::identity::rel_key(rel),
             reason: Reason::NotUtf8,
         },
     })
@@ -203,7 +203,7 @@ fn scan_folder(
         rel.truncate(base);
         match name_utf8 {
             Some(n) => rel.push_str(n),
-            None => rel.push_str(&name.to_string_lossy()),
+            None => crate::identity::push_escaped(rel, name.as_encoded_bytes()),
         }
         let utf8 = utf8 && name_utf8.is_some();
         if file_type.is_dir() {
@@ -431,18 +431,15 @@ mod tests {
         std::fs::write(root.join(odd), b"x").unwrap();
         let found = scan(root).unwrap().to_vec();
         assert_eq!(found.len(), 3, "{found:?}");
-        assert_eq!(found[0], Found::Recording("LEAK/a.wav".into()));
+        assert!(found.contains(&Found::Recording("LEAK/a.wav".into())));
         assert!(found.contains(&Found::Rejected {
             rel: "LEAK/link.wav".into(),
             reason: Reason::SymbolicLink
         }));
-        assert!(found.iter().any(|f| matches!(
-            f,
-            Found::Rejected {
-                reason: Reason::NotUtf8,
-                ..
-            }
-        )));
+        assert!(found.contains(&Found::Rejected {
+            rel: "LEAK/\\xff.wav".into(),
+            reason: Reason::NotUtf8
+        }));
         assert_eq!(
             classify_path(root, Path::new("LEAK/link.wav")),
             Some(Found::Rejected {

@@ -477,7 +477,7 @@ impl Settler {
             .pending
             .iter()
             .map(|(path, p)| PendingFile {
-                path: path.to_string_lossy().to_string(),
+                path: crate::identity::rel_key(path),
                 since_ms: p
                     .since
                     .duration_since(std::time::UNIX_EPOCH)
