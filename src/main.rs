@@ -165,6 +165,8 @@ fn main() -> ExitCode {
             let usage = e.downcast_ref::<UsageError>().is_some()
                 || e.downcast_ref::<ailhd::config::ConfigError>().is_some()
                 || e.downcast_ref::<ailhd::output::SettingsDiffer>().is_some()
+                || e.downcast_ref::<ailhd::output::OutputsIncomplete>()
+                    .is_some()
                 || matches!(
                     e.downcast_ref::<ailhd::config::PathsError>(),
                     Some(ailhd::config::PathsError::Config(_))

@@ -559,6 +559,59 @@ print(total)
     rows.trim().to_string()
 }
 
+/// An output file removed or emptied behind the service's back (an operator's `rm` while it
+/// idles): only `ailhd rebuild` mends that. The running service names the file and the remedy
+/// (it was a bare "no such file", retried for ever), `check-config` agrees, and a start is
+/// refused with exit 2, which the unit does not retry (it was exit 1: a restart every 2 s).
+/// After the rebuild the service takes recordings again.
+#[test]
+#[serial]
+fn an_output_file_removed_or_emptied_is_named_with_its_remedy() {
+    let world = World::new(&format!("{FAST}idle_close_s = 1\n"));
+    add(&world, 0..4);
+    let svc = Service::start(&world);
+    svc.wait("4 files committed", |s| committed(s) == 4);
+    svc.wait("closed while idle", |s| {
+        s["service"]["outputs_open"] == false
+    });
+    let training = world.out().join("TRAINING_DATASET.H5");
+    std::fs::remove_file(&training).unwrap();
+    add(&world, 4..6);
+    let snap = svc.wait("the reopen refused, saying why", |s| {
+        s["service"]["write_failing"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("ailhd rebuild"))
+    });
+    let error = snap["service"]["write_failing"]["error"].as_str().unwrap();
+    assert!(
+        error.contains("TRAINING_DATASET.H5 (missing)"),
+        "the error names the file: {error}"
+    );
+    svc.terminate();
+    let refused = |what: &str| {
+        for args in [&["check-config"][..], &["run"][..]] {
+            let o = world.run(args);
+            let err = String::from_utf8_lossy(&o.stderr).to_string();
+            assert_eq!(o.status.code(), Some(2), "{what}: {args:?}: {err}");
+            assert!(
+                err.contains("ailhd rebuild") && err.contains(what),
+                "{what}: {args:?}: {err}"
+            );
+        }
+    };
+    refused("TRAINING_DATASET.H5 (missing)");
+    ok(&world.run(&["rebuild"]));
+    // Emptied while stopped: the same.
+    std::fs::write(world.out().join("VALIDATION_DATASET.H5"), b"").unwrap();
+    refused("VALIDATION_DATASET.H5 (empty)");
+    ok(&world.run(&["rebuild"]));
+    let svc = Service::start(&world);
+    add(&world, 6..7);
+    svc.wait("7 files committed", |s| committed(s) == 7);
+    svc.terminate();
+    compare_with_rebuild(&world);
+}
+
 #[test]
 #[serial]
 fn idle_files_are_closed_for_plain_readers_and_reopened_under_a_swmr_reader() {

@@ -365,6 +365,29 @@ fn reload_reports_accepted_and_refused_configurations_through_its_exit_status() 
         "{}",
         stderr(&o)
     );
+    // Nor can the metrics' textfile and listener, or the featurising device: both refused,
+    // named (they were answered "reloaded" and left as they were).
+    let prom = world.dir.path().join("b.prom");
+    for (text, named) in [
+        (
+            format!("{good}[metrics]\ntextfile = {prom:?}\n"),
+            "[metrics]",
+        ),
+        (
+            good.replace("device = \"cpu\"", "device = \"auto\""),
+            "[ingest] device",
+        ),
+    ] {
+        assert_ne!(text, good);
+        std::fs::write(&world.config, &text).unwrap();
+        let o = world.run(&["reload", "--pid", &pid]);
+        assert_eq!(o.status.code(), Some(2), "{named}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains(named) && stderr(&o).contains("restart"),
+            "{}",
+            stderr(&o)
+        );
+    }
     // Still running, and a good configuration is accepted again.
     std::fs::write(&world.config, &good).unwrap();
     ok(&world.run(&["reload", "--pid", &pid]));

@@ -188,13 +188,21 @@ impl Engine {
             Warm::Resume(s) => manifest.rows()? == s.rows,
             _ => false,
         };
+        // Outputs that recordings went into, there only in part: refused before the recovery
+        // reads them (it would fail on the missing file as on a failing disk, and be retried).
+        let ingested = |m: &Manifest| -> anyhow::Result<bool> {
+            Ok(m.files().next().is_some() || m.rows()?.iter().any(|&r| r > 0))
+        };
+        if ingested(&manifest)? {
+            crate::output::check_complete(out_dir, &settings.outputs)?;
+        }
         if !resume {
             check_agreement(settings, &manifest)?;
             recover_into(settings, &manifest)?;
         }
         let fingerprint = settings.features.fingerprint();
         let known_rows = manifest.rows()?;
-        let has_records = manifest.files().next().is_some() || known_rows.iter().any(|&r| r > 0);
+        let has_records = ingested(&manifest)?;
         let appended = manifest.appended_labels()?;
         let labels = LabelSet::new(&settings.labels.names, &appended, settings.labels.unknown);
         check_compatible(settings, &manifest, &fingerprint, &labels)?;
@@ -936,8 +944,16 @@ pub fn check_outputs(settings: &Settings) -> anyhow::Result<()> {
     let dir = crate::staging::manifest_dir(settings);
     // A running writer holds the manifest (sled locks it): then the outputs are asked instead,
     // as for a lost state.
+    // Outputs there in part are refused once recordings were ingested into them (as `run`
+    // refuses them); a manifest a running writer holds counts as such.
+    let mut ingested = true;
     if dir.exists() && crate::lock::WriterLock::holder(&settings.paths.state).is_none() {
-        check_agreement(settings, &Manifest::open(&dir)?)?;
+        let manifest = Manifest::open(&dir)?;
+        check_agreement(settings, &manifest)?;
+        ingested = manifest.files().next().is_some() || manifest.rows()?.iter().any(|&r| r > 0);
+    }
+    if ingested {
+        crate::output::check_complete(&settings.paths.output, &settings.outputs)?;
     }
     check_made_with(settings)
 }

@@ -179,6 +179,51 @@ pub fn npy_dir(output: &Path, split: usize) -> PathBuf {
     output.join("npy").join(crate::config::SPLITS[split])
 }
 
+/// Outputs that only `ailhd rebuild` can mend: recordings were ingested into them, some of them
+/// are under the output folder, and a file or folder the configuration names is missing or empty. `run` refuses to start (exit 2,
+/// which the unit does not retry) and `check-config` says the same.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct OutputsIncomplete(String);
+
+/// [`OutputsIncomplete`] when the outputs under `dir` are there in part: a split's HDF5 file
+/// missing or empty, or its npy folder (its `attributes.json`) missing, while others are there.
+pub fn check_complete(
+    dir: &Path,
+    outputs: &crate::config::Outputs,
+) -> Result<(), OutputsIncomplete> {
+    if !set::OutputSet::exists(dir, outputs) {
+        return Ok(());
+    }
+    let mut missing = Vec::new();
+    for split in 0..3 {
+        if outputs.hdf5 {
+            let path = hdf5_path(dir, &outputs.hdf5_names, split);
+            match std::fs::metadata(&path) {
+                Ok(m) if m.len() > 0 => {}
+                Ok(_) => missing.push(format!("{} (empty)", path.display())),
+                Err(_) => missing.push(format!("{} (missing)", path.display())),
+            }
+        }
+        if outputs.npy {
+            let path = npy_dir(dir, split).join("attributes.json");
+            if std::fs::metadata(&path).is_err() {
+                missing.push(format!("{} (missing)", path.display()));
+            }
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(OutputsIncomplete(format!(
+        "the outputs in {} are there only in part: {}. They were removed or emptied behind \
+         ailhd's back (or `outputs.hdf5` / `outputs.npy` was turned on after they were made), \
+         and their rows cannot be appended to: stop the service and run `ailhd rebuild`",
+        dir.display(),
+        missing.join(", ")
+    )))
+}
+
 // The writers store the in-memory bytes of f16/i16/i64/f32 as the little-endian types the
 // files declare ('<f2', H5T_IEEE_F16LE-shaped, ...); a big-endian host would need byte swaps.
 #[cfg(not(target_endian = "little"))]

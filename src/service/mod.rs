@@ -402,7 +402,8 @@ impl EventLoop {
         self.send(Work::Op(Input::Observe(o)));
     }
 
-    /// SIGHUP: read the configuration again; only `[ingest]` changes live.
+    /// SIGHUP: read the configuration again; only `[ingest]` changes live (its `device` but at
+    /// a start).
     fn reload(&mut self) {
         let new = match Settings::load(self.config_path.as_deref()) {
             Ok(new) => new,
@@ -414,12 +415,14 @@ impl EventLoop {
         };
         let s = &self.settings;
         let fixed: Vec<&str> = [
-            ("paths", new.paths != s.paths),
-            ("labels", new.labels != s.labels),
-            ("splits", new.splits != s.splits),
-            ("features", new.features != s.features),
-            ("outputs", new.outputs != s.outputs),
-            ("gpu", new.gpu != s.gpu),
+            ("[paths]", new.paths != s.paths),
+            ("[labels]", new.labels != s.labels),
+            ("[splits]", new.splits != s.splits),
+            ("[features]", new.features != s.features),
+            ("[outputs]", new.outputs != s.outputs),
+            ("[metrics]", new.metrics != s.metrics),
+            ("[gpu]", new.gpu != s.gpu),
+            ("[ingest] device", new.ingest.device != s.ingest.device),
         ]
         .into_iter()
         .filter_map(|(section, changed)| changed.then_some(section))
@@ -428,8 +431,8 @@ impl EventLoop {
             // Applying only the [ingest] part would answer "reloaded" for a configuration that
             // is not in force: refuse it whole, and say what to do.
             let why = format!(
-                "only [ingest] settings change live, and [{}] changed: nothing was applied; restart the service to apply them (a changed [features] setting also needs `ailhd rebuild`)",
-                fixed.join("], [")
+                "only [ingest] settings (but its device) change live, and {} changed: nothing was applied; restart the service to apply them (a changed [features] setting also needs `ailhd rebuild`)",
+                fixed.join(", ")
             );
             log::error!("reload refused, keeping the running configuration: {why}");
             crate::reload::record(&self.settings, false, &why);
