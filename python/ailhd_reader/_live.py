@@ -883,7 +883,9 @@ def _refresh_attributes(f):
         except (OSError, AttributeError):
             _H5O_REFRESH = False
     if _H5O_REFRESH:
-        _H5O_REFRESH(root.id.id)
+        from h5py._objects import phil  # (h5py's lock around HDF5 calls: threads share it)
+        with phil:
+            _H5O_REFRESH(root.id.id)
     return root
 
 
