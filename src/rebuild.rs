@@ -172,20 +172,27 @@ fn start_up(
             })
         });
         let featuriser = scope.spawn(|| make_featuriser(threads));
+        // The staging outputs are made once the old manifest is closed again: sled writes while
+        // it opens (recovering its log), and a rebuild killed in that window has left the live
+        // manifest unreadable ("Read corrupted data"; `run` then rebuilds it from the outputs).
+        // Not overlapping the two keeps that window before anything of the rebuild is on disk.
         let stores = scope.spawn(|| {
-            Engine::create_bulk(
+            let before = before.join().expect("reading the old manifest panicked");
+            let stores = Engine::create_bulk(
                 settings,
                 &staging::output_staging(settings),
                 &staging::manifest_staging(settings),
                 &settings.labels.names,
-            )
+            );
+            (before, stores)
         });
         let found = source::scan(&settings.paths.recordings);
+        let (before, stores) = stores.join().expect("making the staging outputs panicked");
         (
             found,
-            before.join().expect("reading the old manifest panicked"),
+            before,
             featuriser.join().expect("featuriser start-up panicked"),
-            stores.join().expect("making the staging outputs panicked"),
+            stores,
         )
     });
     Ok((found?, before?, featuriser?, stores?))
