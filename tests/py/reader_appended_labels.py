@@ -18,17 +18,11 @@ import time
 import h5py
 
 from ailhd_reader import LiveDataset
-from reader_util import fail
+from reader_util import fail, status, tree_count
 
 TIMEOUT = 90
 
 
-def status(state):
-    try:
-        with open(os.path.join(state, "status.json")) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return {}
 
 
 def deliver(rec, pool, label, k):
@@ -46,8 +40,6 @@ def deliver(rec, pool, label, k):
         os.remove(src)
 
 
-def tree_count(rec):
-    return sum(f.endswith(".wav") for _, _, fs in os.walk(rec) for f in fs)
 
 
 def wait_committed(state, want, svc, log):

@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 
 from ailhd_reader import LiveDataset
-from reader_util import fail, same_bits
+from reader_util import fail, status, tree_count, same_bits
 
 TIMEOUT = 90
 
@@ -48,12 +48,6 @@ def snippet_read(f):
     return n, x, valid
 
 
-def status(state):
-    try:
-        with open(os.path.join(state, "status.json")) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return {}
 
 
 def put_from_pool(rec, pool, k):
@@ -68,8 +62,6 @@ def put_from_pool(rec, pool, k):
         os.remove(os.path.join(pool, rel))
 
 
-def tree_count(rec):
-    return sum(f.endswith(".wav") for _, _, fs in os.walk(rec) for f in fs)
 
 
 def follow(what, ds_list, f, want):

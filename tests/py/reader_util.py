@@ -104,3 +104,17 @@ def check_dataset(ds, t, what, rng, full=True):
             pass
         else:
             fail(f"{what}: ds[{bad}] with {n} rows did not raise IndexError")
+
+
+def status(state):
+    """The status snapshot the running service keeps in its state folder ({} until there is one)."""
+    try:
+        with open(os.path.join(state, "status.json")) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
+
+
+def tree_count(rec):
+    """The *.wav files under the recordings folder."""
+    return sum(f.endswith(".wav") for _, _, fs in os.walk(rec) for f in fs)
