@@ -173,9 +173,10 @@ fn start_up(
         });
         let featuriser = scope.spawn(|| make_featuriser(threads));
         // The staging outputs are made once the old manifest is closed again: sled writes while
-        // it opens (recovering its log), and a rebuild killed in that window has left the live
-        // manifest unreadable ("Read corrupted data"; `run` then rebuilds it from the outputs).
-        // Not overlapping the two keeps that window before anything of the rebuild is on disk.
+        // it opens (recovering its log, writing a snapshot), and a rebuild killed in that window
+        // left the live manifest unreadable ("Read corrupted data": sled read its half-written
+        // snapshot, which it now ignores, vendor/README.md). Not overlapping the two keeps that
+        // window before anything of the rebuild is on disk.
         let stores = scope.spawn(|| {
             let before = before.join().expect("reading the old manifest panicked");
             let stores = Engine::create_bulk(

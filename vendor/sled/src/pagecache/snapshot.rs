@@ -457,6 +457,12 @@ pub fn read_snapshot_or_default(config: &RunningConfig) -> Result<Snapshot> {
 /// Returns `Ok(Some(snapshot))` if there was nothing written.
 fn read_snapshot(config: &RunningConfig) -> Result<Option<Snapshot>> {
     let mut candidates = config.get_snapshot_files()?;
+    // ailhd: a `snap.*.generating` file is one `write_snapshot` had not finished (renamed)
+    // when the process stopped; it sorts after the snapshot it was to replace, and read as the
+    // latest it failed every later open ("Read corrupted data", upstream issue #1527). It is
+    // never the snapshot to read: the one before it stays until the rename, and the next
+    // `write_snapshot` removes the leftover with the other old files.
+    candidates.retain(|path| !path.to_string_lossy().ends_with(".generating"));
     if candidates.is_empty() {
         debug!("no previous snapshot found");
         return Ok(None);
