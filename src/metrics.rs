@@ -32,7 +32,7 @@ static READY: AtomicBool = AtomicBool::new(false);
 const READY_WAIT: Duration = Duration::from_secs(10);
 
 /// The label values of `ailhd_files_quarantined_total{reason}` ([`reason_kind`]'s kinds).
-pub const QUARANTINE_KINDS: [&str; 12] = [
+pub const QUARANTINE_KINDS: [&str; 13] = [
     "not_wav",
     "truncated",
     "empty",
@@ -43,6 +43,7 @@ pub const QUARANTINE_KINDS: [&str; 12] = [
     "path_too_long",
     "path_not_utf8",
     "symlink",
+    "not_a_file",
     "stopped_while_reading",
     "other",
 ];
@@ -321,13 +322,14 @@ fn zero_families() {
 /// journal's REASON field).
 pub fn reason_kind(reason: &str) -> &'static str {
     let r = reason.to_ascii_lowercase();
-    let kinds: [(&[&str], &'static str); 11] = [
+    let kinds: [(&[&str], &'static str); 12] = [
         (
             &["stopped twice", "in a row while reading it"],
             "stopped_while_reading",
         ),
         (&["not valid utf-8"], "path_not_utf8"),
         (&["symbolic link", "symlink"], "symlink"),
+        (&["not a regular file"], "not_a_file"),
         (&["does not fit", "path_bytes", "too long"], "path_too_long"),
         (&["label"], "label"),
         (
@@ -721,6 +723,10 @@ mod tests {
                 "truncated",
             ),
             ("path is not valid UTF-8", "path_not_utf8"),
+            (
+                &crate::engine::outcome::Reason::NotAFile("a named pipe (FIFO)").to_string(),
+                "not_a_file",
+            ),
             (
                 "fmt declares 9 channels; at most 8 are supported",
                 "unsupported",

@@ -268,8 +268,13 @@ fn shared_bytes_moves_links_and_unusable_files_follow_one_set_of_rules() {
     std::fs::write(rec.join("LEAK/text.wav"), fixture_bytes("not_a_wav")).unwrap();
     std::fs::write(rec.join("LEAK/alaw.wav"), fixture_bytes("alaw")).unwrap();
     std::fs::write(rec.join("LEAK/empty.wav"), b"").unwrap();
+    // A named pipe: never opened (its open would wait for a writer), listed all the same.
+    let fifo =
+        std::os::unix::ffi::OsStringExt::into_vec(rec.join("LEAK/pipe.wav").into_os_string());
+    let fifo = std::ffi::CString::new(fifo);
+    assert_eq!(unsafe { libc::mkfifo(fifo.unwrap().as_ptr(), 0o644) }, 0);
     let t = Instant::now();
-    let snap = svc.wait("six quarantined", |s| quarantined(s).len() == 6);
+    let snap = svc.wait("seven quarantined", |s| quarantined(s).len() == 7);
     let waited = t.elapsed();
     let q = quarantined(&snap);
     for link in ["LEAK/link_out.wav", "LEAK/link_in.wav"] {
@@ -279,6 +284,7 @@ fn shared_bytes_moves_links_and_unusable_files_follow_one_set_of_rules() {
     assert!(q["LEAK/text.wav"].contains("not a WAV"), "{q:?}");
     assert!(q["LEAK/alaw.wav"].contains("A-law"), "{q:?}");
     assert!(q["LEAK/empty.wav"].contains("empty"), "{q:?}");
+    assert!(q["LEAK/pipe.wav"].contains("named pipe"), "{q:?}");
     assert!(
         q.values().all(|r| !r.contains("still incomplete")),
         "complete files are judged by what they are, not by time: {q:?}"

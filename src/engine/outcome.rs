@@ -77,6 +77,9 @@ pub enum Load {
 pub enum Reason {
     NotUtf8,
     SymbolicLink,
+    /// A `*.wav` that is a named pipe, a socket or a device: never opened (a pipe's open
+    /// waits for a writer). What it is, in words.
+    NotAFile(&'static str),
     Unreadable(String),
     /// The file grew or shrank while it was read.
     ChangedWhileRead,
@@ -110,6 +113,7 @@ impl Reason {
         match self {
             Reason::NotUtf8 => "not_utf8",
             Reason::SymbolicLink => "symbolic_link",
+            Reason::NotAFile(_) => "not_a_file",
             Reason::Unreadable(_) => "unreadable",
             Reason::ChangedWhileRead => "changed_while_read",
             Reason::Decode(e) if e.is_incomplete() => "truncated",
@@ -136,6 +140,10 @@ impl std::fmt::Display for Reason {
             Reason::SymbolicLink => write!(
                 f,
                 "symbolic link: not followed (put the recording itself in the tree)"
+            ),
+            Reason::NotAFile(what) => write!(
+                f,
+                "{what}, not a regular file: not read (put the recording itself in the tree)"
             ),
             Reason::Unreadable(e) => write!(f, "cannot read: {e}"),
             Reason::ChangedWhileRead => {

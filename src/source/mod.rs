@@ -1,7 +1,8 @@
 //! Source: where recordings come from, and the one rule for what a recording is. A recording
 //! is a regular file named `*.wav` (any case) under `paths.recordings`, reached without
-//! following a symbolic link, whose path is valid UTF-8. A `*.wav` that is a symbolic link or
-//! whose path is not UTF-8 is *rejected* (quarantined with that reason), never skipped silently.
+//! following a symbolic link, whose path is valid UTF-8. A `*.wav` that is a symbolic link, a
+//! named pipe, a socket or a device, or whose path is not UTF-8, is *rejected* (quarantined
+//! with that reason, never opened), never skipped silently.
 //!
 //! [`scan`] lists the tree for `rebuild` and the service's reconcile; [`watch`] follows it with
 //! inotify; [`settle`] decides when a touched file is complete, from [`probe`], which reads the
@@ -57,7 +58,10 @@ pub fn classify(rel: &Path, file_type: FileType) -> Option<Found> {
         });
     }
     if !file_type.is_file() {
-        return None;
+        return not_a_file(file_type).map(|what| Found::Rejected {
+            rel: crate::identity::rel_key(rel),
+            reason: Reason::NotAFile(what),
+        });
     }
     Some(match crate::identity::rel_string(rel) {
         Ok(s) => Found::Recording(s),
@@ -65,6 +69,23 @@ pub fn classify(rel: &Path, file_type: FileType) -> Option<Found> {
             rel: crate::identity::rel_key(rel),
             reason: Reason::NotUtf8,
         },
+    })
+}
+
+/// What a `*.wav` that is neither a regular file, a folder nor a link is, in words (None for
+/// those three).
+fn not_a_file(file_type: FileType) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt;
+    Some(if file_type.is_fifo() {
+        "a named pipe (FIFO)"
+    } else if file_type.is_socket() {
+        "a socket"
+    } else if file_type.is_char_device() {
+        "a character device"
+    } else if file_type.is_block_device() {
+        "a block device"
+    } else {
+        return None;
     })
 }
 
@@ -233,6 +254,8 @@ fn scan_folder(
                 true => found.push_recording(rel),
                 false => found.push_rejected(rel, Reason::NotUtf8),
             }
+        } else if let Some(what) = not_a_file(file_type) {
+            found.push_rejected(rel, Reason::NotAFile(what));
         }
     }
     rel.truncate(base);
@@ -419,7 +442,7 @@ mod tests {
     }
 
     #[test]
-    fn links_and_non_utf8_names_are_rejected_not_skipped() {
+    fn links_pipes_sockets_and_non_utf8_names_are_rejected_not_skipped() {
         use std::os::unix::ffi::OsStrExt;
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
@@ -429,8 +452,22 @@ mod tests {
         std::os::unix::fs::symlink(root.join("LEAK/a.wav"), root.join("LEAK/link.wav")).unwrap();
         let odd = std::ffi::OsStr::from_bytes(b"LEAK/\xff.wav");
         std::fs::write(root.join(odd), b"x").unwrap();
+        let fifo = std::ffi::CString::new(root.join("LEAK/pipe.wav").as_os_str().as_bytes());
+        assert_eq!(unsafe { libc::mkfifo(fifo.unwrap().as_ptr(), 0o644) }, 0);
+        let _socket = std::os::unix::net::UnixListener::bind(root.join("LEAK/sock.wav")).unwrap();
         let found = scan(root).unwrap().to_vec();
-        assert_eq!(found.len(), 3, "{found:?}");
+        assert_eq!(found.len(), 5, "{found:?}");
+        for (rel, what) in [
+            ("LEAK/pipe.wav", "a named pipe (FIFO)"),
+            ("LEAK/sock.wav", "a socket"),
+        ] {
+            let rejected = Found::Rejected {
+                rel: rel.into(),
+                reason: Reason::NotAFile(what),
+            };
+            assert!(found.contains(&rejected), "{found:?}");
+            assert_eq!(classify_path(root, Path::new(rel)), Some(rejected));
+        }
         assert!(found.contains(&Found::Recording("LEAK/a.wav".into())));
         assert!(found.contains(&Found::Rejected {
             rel: "LEAK/link.wav".into(),
