@@ -53,6 +53,59 @@ pub struct Paths {
     pub state: PathBuf,
 }
 
+impl Paths {
+    /// The output and state folders lie outside the recordings tree: inside it, the service
+    /// would watch its own writes (an inotify event for every write of every commit) and every
+    /// listing would walk its outputs.
+    fn validate(&self) -> Result<(), ConfigError> {
+        let tree = resolved(&self.recordings);
+        for (key, path) in [("paths.output", &self.output), ("paths.state", &self.state)] {
+            if resolved(path).starts_with(&tree) {
+                return Err(invalid(
+                    key,
+                    format!(
+                        "{} is inside paths.recordings = {}: the service would watch its own \
+                         writes; put it beside the recordings folder, not in it",
+                        path.display(),
+                        self.recordings.display()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `path` made absolute, without `.` and `..`, and with the links of the part that exists
+/// resolved (so that two spellings of one folder compare equal).
+fn resolved(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut lexical = PathBuf::new();
+    for part in absolute.components() {
+        match part {
+            std::path::Component::ParentDir => {
+                lexical.pop();
+            }
+            std::path::Component::CurDir => {}
+            other => lexical.push(other),
+        }
+    }
+    let mut rest = Vec::new();
+    let mut base = lexical.as_path();
+    loop {
+        if let Ok(real) = base.canonicalize() {
+            return rest.iter().rev().fold(real, |p, part| p.join(part));
+        }
+        match (base.parent(), base.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                base = parent;
+            }
+            _ => return lexical,
+        }
+    }
+}
+
 impl Default for Paths {
     fn default() -> Self {
         Paths {
@@ -886,7 +939,7 @@ impl Settings {
         }
         self.metrics.validate()?;
         self.gpu.validate()?;
-        Ok(())
+        self.paths.validate()
     }
 
     /// What the service needs at start, beyond a valid configuration (`check-config`, the unit's
@@ -1228,6 +1281,51 @@ mod tests {
                 "errno {errno}: {e}"
             );
         }
+    }
+
+    /// Outputs or state inside the recordings tree (however spelt: `..`, a link to a folder
+    /// of it) are refused by name; beside it, or holding it, they are not.
+    #[test]
+    fn outputs_and_state_inside_the_recordings_tree_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        std::fs::create_dir_all(d.join("data/MASTER_DATASET/LEAK")).unwrap();
+        std::os::unix::fs::symlink(d.join("data/MASTER_DATASET"), d.join("tree")).unwrap();
+        let with = |output: PathBuf, state: PathBuf| Settings {
+            paths: Paths {
+                recordings: d.join("data/MASTER_DATASET"),
+                output,
+                state,
+            },
+            ..Settings::default()
+        };
+        let outside = d.join("data/state");
+        for (output, key) in [
+            (d.join("data/MASTER_DATASET"), "paths.output"),
+            (d.join("data/MASTER_DATASET/out"), "paths.output"),
+            (
+                d.join("data/x/../MASTER_DATASET/LEAK/new/out"),
+                "paths.output",
+            ),
+            (d.join("tree/out"), "paths.output"),
+        ] {
+            let err = with(output.clone(), outside.clone())
+                .validate()
+                .unwrap_err();
+            assert!(
+                err.to_string().contains(key) && err.to_string().contains("inside"),
+                "{}: {err}",
+                output.display()
+            );
+        }
+        let err = with(d.join("data/out"), d.join("tree/.state"))
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("paths.state"), "{err}");
+        with(d.join("data"), outside.clone()).validate().unwrap();
+        with(d.join("data/MASTER_DATASET.out"), outside)
+            .validate()
+            .unwrap();
     }
 
     #[test]
