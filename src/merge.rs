@@ -12,11 +12,13 @@
 //!   list, then names first seen in later inputs, in order).
 //! - `committed_rows`: the total.
 //!
-//! The VDS mappings name the inputs' files by paths relative to OUT, so OUT and its inputs can
-//! move together (keeping their relative places); HDF5 resolves them against the merged file's
-//! folder (or `$HDF5_VDS_PREFIX`). OUT also gets `MERGED.json` (what was merged, and the rule),
-//! which marks it as a merge that a later `merge` may replace. A merge is a snapshot: rows that
-//! inputs commit afterwards appear after the merge is run again.
+//! The VDS mappings name hard links of the inputs' files under `OUT/.inputs/` ([`Generation`]),
+//! by paths relative to OUT, so a merge is a snapshot that an input rebuilt or removed
+//! afterwards leaves as it was, and OUT moves alone; an input on another file system is named in
+//! place (relative to OUT; HDF5 resolves such paths against the merged file's folder, or
+//! `$HDF5_VDS_PREFIX`), with a warning. OUT also gets `MERGED.json` (what was merged, and the
+//! rule), which marks it as a merge that a later `merge` may replace. Rows that inputs commit
+//! afterwards appear after the merge is run again.
 //!
 //! `--npy` also writes `npy/<split>/` as copies of the merged rows (the only copies merge makes).
 
@@ -98,8 +100,11 @@ pub struct SplitReport {
 
 /// One input's file for one split, as read for the merge.
 struct Source {
-    /// The file, canonical.
+    /// The file as read and as the virtual datasets name it (its link: [`Generation`]),
+    /// canonical.
     path: PathBuf,
+    /// The input's file, as messages name it.
+    named: PathBuf,
     committed: u64,
     labels: Vec<String>,
     fingerprint: String,
@@ -120,14 +125,105 @@ struct Source {
 /// `into`. With `npy`, also write `npy/<split>/` copies.
 pub fn merge(names: &HdfNames, inputs: &[PathBuf], into: &Path, npy: bool) -> Result<MergeReport> {
     let dirs = input_dirs(inputs)?;
+    let made_into = !into.exists();
     prepare_into(into, &dirs)?;
     let out = into
         .canonicalize()
         .with_context(|| format!("{}: cannot resolve", into.display()))?;
-    let _lock = crate::lock::WriterLock::acquire(&out, "merge")?;
+    let lock = crate::lock::WriterLock::acquire(&out, "merge")?;
+    let generation = Generation::new(&out);
+    let merged = merge_locked(names, &dirs, &out, npy, &generation);
+    match &merged {
+        Ok(_) => generation.keep(),
+        // A refused or failed merge leaves `into` as it found it: absent, or the previous
+        // merge whole (its files are replaced only once the new ones are complete).
+        Err(_) if made_into => {
+            let _ = std::fs::remove_dir_all(&out);
+        }
+        Err(_) => generation.discard(),
+    }
+    drop(lock);
+    merged
+}
 
-    let sources = read_inputs(names, &dirs)?;
-    let grouping = ownership::group(&shard_records(&dirs, &sources)?).map_err(refuse)?;
+/// The inputs' files as the merge read them, hard-linked under `OUT/.inputs/<generation>/<i>/`:
+/// the virtual datasets name these links, so a merge is a snapshot (an input rebuilt or
+/// removed afterwards leaves it as it was) and OUT holds all it reads. The links cost no space
+/// while the inputs keep the same files; an input on another file system (or one this user may
+/// not link) is named in place instead, and the merge says so. The newest two generations are
+/// kept: the merge's, and the one before for readers that still hold the previous merged files.
+struct Generation {
+    dir: PathBuf,
+}
+
+const INPUT_LINKS: &str = ".inputs";
+
+impl Generation {
+    fn new(out: &Path) -> Generation {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        Generation {
+            dir: out.join(INPUT_LINKS).join(format!("{nanos:020}")),
+        }
+    }
+
+    /// `file` (input `i`'s) as the merge reads it: its link, or the file itself when it cannot
+    /// be linked (with why).
+    fn link(&self, i: usize, file: &Path) -> (PathBuf, Option<std::io::Error>) {
+        let (Some(name), true) = (file.file_name(), file.exists()) else {
+            return (file.to_path_buf(), None);
+        };
+        let link = self.dir.join(i.to_string()).join(name);
+        let made = std::fs::create_dir_all(link.parent().unwrap_or(&self.dir))
+            .and_then(|_| std::fs::hard_link(file, &link));
+        match made {
+            Ok(()) => (link, None),
+            Err(e) => {
+                let _ = link.parent().map(std::fs::remove_dir);
+                (file.to_path_buf(), Some(e))
+            }
+        }
+    }
+
+    /// The merge succeeded: older generations but the one before go.
+    fn keep(&self) {
+        let Some(all) = self.dir.parent() else { return };
+        let mut names: Vec<_> = std::fs::read_dir(all)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok().map(|e| e.file_name()))
+            .collect();
+        names.sort();
+        let mine = self.dir.file_name().unwrap_or_default();
+        let older: Vec<_> = names.iter().filter(|n| n.as_os_str() < mine).collect();
+        for name in older.iter().rev().skip(1) {
+            let _ = std::fs::remove_dir_all(all.join(name));
+        }
+        // Nothing linked (every input on another file system): no generation.
+        let _ = std::fs::remove_dir(&self.dir);
+        let _ = std::fs::remove_dir(all);
+        let _ = sync_dir(all);
+    }
+
+    fn discard(&self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+        // The folder of generations too, when this was the first.
+        let _ = self.dir.parent().map(std::fs::remove_dir);
+    }
+}
+
+fn merge_locked(
+    names: &HdfNames,
+    dirs: &[PathBuf],
+    out: &Path,
+    npy: bool,
+    generation: &Generation,
+) -> Result<MergeReport> {
+    let out = out.to_path_buf();
+    let (sources, unlinked) = read_inputs(names, dirs, generation)?;
+    let grouping = ownership::group(&shard_records(dirs, &sources)?).map_err(refuse)?;
     let (labels, ids) = merged_labels(&sources)?;
     let remapped = |i: usize| {
         (0..3).any(|split| {
@@ -181,7 +277,7 @@ pub fn merge(names: &HdfNames, inputs: &[PathBuf], into: &Path, npy: bool) -> Re
         splits: Vec::new(),
         labels: labels.clone(),
         rule: grouping.rule.clone(),
-        warnings: grouping.warnings.clone(),
+        warnings: grouping.warnings.iter().chain(&unlinked).cloned().collect(),
         duplicates: settled.duplicates,
         label_conflicts: settled.conflicts.len() as u64,
         label_conflict_examples: settled
@@ -265,19 +361,40 @@ fn write_splits(
 
 /// Every input's files (attributes, committed rows, blake3, valid, labels, paths), checked to
 /// fit together, before anything is written.
-fn read_inputs(names: &HdfNames, dirs: &[PathBuf]) -> Result<Vec<[Source; 3]>> {
+/// Each file is read through its link in `generation` (the files the merged view will name),
+/// with a warning for each that could not be linked.
+fn read_inputs(
+    names: &HdfNames,
+    dirs: &[PathBuf],
+    generation: &Generation,
+) -> Result<(Vec<[Source; 3]>, Vec<String>)> {
     let mut sources: Vec<[Source; 3]> = Vec::new();
-    for dir in dirs {
+    let mut unlinked = Vec::new();
+    for (i, dir) in dirs.iter().enumerate() {
+        let mut why_not = None;
         let files: Vec<Source> = (0..3)
-            .map(|split| read_source(&dir.join(names.for_split(split))))
+            .map(|split| {
+                let file = dir.join(names.for_split(split));
+                let (read_from, why) = generation.link(i, &file);
+                why_not = why_not.take().or(why);
+                read_source(&read_from, &file)
+            })
             .collect::<Result<_>>()?;
+        if let Some(e) = why_not {
+            unlinked.push(format!(
+                "{}: its files cannot be linked into the merge ({e}), so the merged files read \
+                 them in place: rebuilding or removing that input changes this merge (merge \
+                 again after it). Inputs on the file system of --into are linked: a snapshot",
+                dir.display()
+            ));
+        }
         sources.push(files.try_into().map_err(|_| ()).expect("three splits"));
     }
     let first = &sources[0][0];
     for src in sources.iter().flatten() {
         check_compatible(first, src)?;
     }
-    Ok(sources)
+    Ok((sources, unlinked))
 }
 
 /// The input folders, canonical; each given once.
@@ -321,8 +438,8 @@ fn shard_records(
                 return Err(refuse(format!(
                     "{} and {} are not of the same shard (one folder must hold one rebuild's \
                      files)",
-                    files[0].path.display(),
-                    f.path.display()
+                    files[0].named.display(),
+                    f.named.display()
                 )));
             }
             Ok((dir.clone(), files[0].shard.clone()))
@@ -445,12 +562,12 @@ fn file_access() -> Result<FileAccess> {
 
 /// Open an input read-only, without taking a file lock (a writer may be appending to it: then
 /// in SWMR mode, which is how HDF5 lets a file open for writing be read).
-fn open_input(path: &Path) -> Result<File> {
+fn open_input(path: &Path, named: &Path) -> Result<File> {
     if !path.exists() {
         return Err(refuse(format!(
             "{}: no such file; each input must be an ailhd output folder holding the three \
              split files (outputs.hdf5_names)",
-            path.display()
+            named.display()
         )));
     }
     let fapl = file_access()?;
@@ -462,16 +579,17 @@ fn open_input(path: &Path) -> Result<File> {
             .map_err(|swmr| {
                 refuse(format!(
                     "{}: cannot be opened as HDF5 ({plain}; in SWMR mode: {swmr})",
-                    path.display()
+                    named.display()
                 ))
             }),
     }
 }
 
-fn read_source(path: &Path) -> Result<Source> {
-    let file = open_input(path)?;
+/// Input file `named` (what messages name), read from `path` (its link, or itself).
+fn read_source(path: &Path, named: &Path) -> Result<Source> {
+    let file = open_input(path, named)?;
     let path = path.canonicalize()?;
-    let bad = |what: String| refuse(format!("{}: {what}", path.display()));
+    let bad = |what: String| refuse(format!("{}: {what}", named.display()));
     if path.to_str().is_none() {
         // The virtual datasets name their sources by UTF-8 paths.
         return Err(bad("the path is not valid UTF-8".into()));
@@ -486,7 +604,7 @@ fn read_source(path: &Path) -> Result<Source> {
     let datasets = source_datasets(&file, committed, &bad)?;
     let raw = |name: &str| -> Result<Vec<u8>> {
         let ds = file.dataset(name)?;
-        read_rows(&ds, 0, committed).with_context(|| format!("{}: reading {name}", path.display()))
+        read_rows(&ds, 0, committed).with_context(|| format!("{}: reading {name}", named.display()))
     };
     let blake3 = raw("blake3")?
         .chunks_exact(32)
@@ -510,6 +628,7 @@ fn read_source(path: &Path) -> Result<Source> {
     };
     Ok(Source {
         path,
+        named: named.to_path_buf(),
         committed,
         labels,
         fingerprint,
@@ -593,8 +712,8 @@ fn check_compatible(first: &Source, src: &Source) -> Result<()> {
         return Err(refuse(format!(
             "{} and {} were made with different feature settings (feature_fingerprint {} vs \
              {}; config_json {} vs {}): their rows cannot be merged",
-            first.path.display(),
-            src.path.display(),
+            first.named.display(),
+            src.named.display(),
             first.fingerprint,
             src.fingerprint,
             first.config_json,
@@ -605,9 +724,9 @@ fn check_compatible(first: &Source, src: &Source) -> Result<()> {
     if names(src) != names(first) {
         return Err(refuse(format!(
             "{} has datasets {:?}, {} has {:?}: not the same output layout",
-            first.path.display(),
+            first.named.display(),
             names(first),
-            src.path.display(),
+            src.named.display(),
             names(src)
         )));
     }
@@ -623,10 +742,10 @@ fn check_compatible(first: &Source, src: &Source) -> Result<()> {
                 a.0,
                 a.1,
                 a.2,
-                first.path.display(),
+                first.named.display(),
                 b.1,
                 b.2,
-                src.path.display()
+                src.named.display()
             )));
         }
     }
@@ -850,7 +969,7 @@ fn npy_header(labels: &[String], first: &Source) -> Result<OutputHeader> {
     let features: FeatureSettings = serde_json::from_str(&first.config_json).map_err(|e| {
         refuse(format!(
             "--npy: config_json of {} cannot be read by this ailhd ({e}); merge without --npy",
-            first.path.display()
+            first.named.display()
         ))
     })?;
     if features.fingerprint() != first.fingerprint {

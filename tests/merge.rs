@@ -306,11 +306,30 @@ fn shards_then_merge_equal_one_rebuild() {
     let digest = |checked: &str| checked.lines().last().unwrap().to_string();
     let before = digest(&check("same", spec, tmp.path()));
 
-    // Shard 1 failed and runs again alone: the merge gives the same view.
+    // Shard 1 failed and runs again alone. Until the merge runs again, it shows what it
+    // merged (it reads the inputs' files through hard links of its own: a snapshot), with the
+    // shard's folder gone and after the shard's new files took its place; merged again, it
+    // gives the same view.
     std::fs::remove_dir_all(site.join("shard-1")).unwrap();
+    let spec = serde_json::json!({
+        "merged": merged,
+        "reference": site.join("full/out"),
+        "names": NAMES,
+        "npy": true,
+    });
+    assert_eq!(
+        digest(&check("same", spec.clone(), tmp.path())),
+        before,
+        "the merged view with shard 1's folder removed"
+    );
     let again = config(&site.join("shard-1"), &rec, "");
     run_shards(&[(1, &again)], n);
-    ok(&merge_args(&reference, &inputs, &merged, &["--npy"]));
+    assert_eq!(digest(&check("same", spec, tmp.path())), before);
+    for _ in 0..3 {
+        ok(&merge_args(&reference, &inputs, &merged, &["--npy"]));
+    }
+    let generations = std::fs::read_dir(merged.join(".inputs")).unwrap().count();
+    assert_eq!(generations, 2, "the merge's links and the one before");
 
     let moved = tmp.path().join("moved");
     std::fs::rename(&site, &moved).unwrap();
@@ -453,6 +472,10 @@ fn incompatible_inputs_and_bad_targets_are_refused() {
     refused(
         &run(&a, &["merge", &dir("a"), &dir("a"), "--into", &into]),
         &["given twice"],
+    );
+    assert!(
+        !Path::new(&into).exists(),
+        "a refused merge leaves no folder behind"
     );
     // Never into an input, nor over a folder that is not a previous merge.
     refused(
