@@ -1022,8 +1022,30 @@ impl Settings {
         self.check_output_and_state()
     }
 
+    /// `paths.output` is not a folder `ailhd merge` wrote (it holds [`crate::merge::MARKER`]):
+    /// a merged view is read-only; `run` and `rebuild` over it would replace it with outputs of
+    /// their own (and a later merge into it would then remove those), and `status` has no
+    /// manifest for it.
+    pub fn check_not_a_merge(&self) -> Result<(), ConfigError> {
+        let out = &self.paths.output;
+        if out.join(crate::merge::MARKER).exists() {
+            return Err(invalid(
+                "paths.output",
+                format!(
+                    "{} holds a merge ({} is there): a merged view is for readers (h5py, \
+                     ailhd_reader) and for `ailhd merge` to replace; `run`, `rebuild` and \
+                     `status` work on outputs of their own: set paths.output to another folder",
+                    out.display(),
+                    crate::merge::MARKER
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The output and state folders are writable, or can be created.
     fn check_output_and_state(&self) -> Result<(), PathsError> {
+        self.check_not_a_merge()?;
         check_writable_dir("paths.output", &self.paths.output, true)?;
         check_writable_dir("paths.state", &self.paths.state, true)
     }

@@ -321,6 +321,7 @@ fn merge(
 }
 
 fn status(s: &Settings, json: bool, png: &Option<PathBuf>) -> anyhow::Result<()> {
+    s.check_not_a_merge()?;
     let r = ailhd::status::load(s)?;
     if let Some(out) = png {
         ailhd::status::write_png(s, &r, out)?;

@@ -492,6 +492,23 @@ fn incompatible_inputs_and_bad_targets_are_refused() {
     );
     // A merge is not an input.
     ok(&run(&a, &["merge", &dir("a"), "--into", &into]));
+    // Nor an output of `run` or `rebuild`, nor what `status` reads: each says so (exit 2), and
+    // the merged files stay as they are.
+    let merged_file = Path::new(&into).join(NAMES[0]);
+    let written = std::fs::read(&merged_file).unwrap();
+    for args in [
+        &["rebuild", "--device", "cpu"][..],
+        &["check-config"],
+        &["status"],
+        &["run"],
+    ] {
+        let o = ailhd(&a, args)
+            .env("AILHD_PATHS__OUTPUT", &into)
+            .output()
+            .unwrap();
+        refused(&o, &["paths.output", "MERGED.json"]);
+    }
+    assert_eq!(std::fs::read(&merged_file).unwrap(), written);
     refused(
         &run(
             &a,
