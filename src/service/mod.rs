@@ -36,6 +36,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
+/// Set by the signal handler itself as a SIGTERM or SIGINT arrives (the event loop learns of it
+/// a moment later): the worker then no longer replaces the process with a fresh image of
+/// itself (`worker::reexec`), which would not know of the stop and go on running.
+pub(crate) static STOP_ASKED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
 /// The signals the service answers: SIGTERM and SIGINT stop it, SIGHUP reloads.
 const ANSWERED: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
 
@@ -159,6 +165,13 @@ pub fn run(settings: Settings, config_path: Option<PathBuf>) -> anyhow::Result<(
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
         let hup = signal(SignalKind::hangup())?;
+        for stop in [libc::SIGTERM, libc::SIGINT] {
+            // Safety: the action only stores to an atomic (async-signal-safe).
+            unsafe {
+                signal_hook_registry::register(stop, || STOP_ASKED.store(true, Ordering::SeqCst))
+            }
+            .context("cannot install the stop signals' handler")?;
+        }
         signal_mask(libc::SIG_UNBLOCK);
         let shutdown = async move {
             tokio::select! {

@@ -36,13 +36,25 @@ pub(super) struct Fault {
 /// [`crate::output::hdf5::failed_in_this_process`]). What was not committed is lost as in a
 /// kill, and found again by the start's comparison of the tree with the manifest; descriptors
 /// (the writer locks among them) close on exec. Returns only if the exec fails.
-fn reexec(why: &str) {
+/// Not once a stop was asked for ([`super::STOP_ASKED`]): the fresh image would not know of
+/// it, and the service would go on after a SIGTERM. Returns false then, true when the exec
+/// failed.
+fn reexec(why: &str) -> bool {
     use std::os::unix::process::CommandExt;
     log::warn!("{why}");
+    // Test builds (feature `failpoints`): `FAILPOINTS=reexec=sleep(MS)` holds the worker here,
+    // where a SIGTERM must still stop the service.
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("reexec");
+    if super::STOP_ASKED.load(Ordering::SeqCst) {
+        log::info!("not restarting the process: stopping");
+        return false;
+    }
     let e = std::process::Command::new("/proc/self/exe")
         .args(std::env::args_os().skip(1))
         .exec();
     log::error!("cannot restart the process ({e}); reopening in place");
+    true
 }
 
 /// Whether the output and state folders take a small synced write now: a probe file written,
@@ -176,11 +188,13 @@ impl Worker {
             if !disk_answers(&self.settings) {
                 anyhow::bail!("the output or state folder does not take a synced write yet");
             }
-            reexec(
+            if !reexec(
                 "the disk answers again: restarting the service's process to reopen its HDF5 \
                  files (an HDF5 file cannot be reopened safely in a process where writing it \
                  failed)",
-            );
+            ) {
+                anyhow::bail!("stopping: the outputs are not reopened");
+            }
         }
         if self.engine.is_none() {
             let warm = self
