@@ -80,7 +80,12 @@ impl ShardRecord {
             listing.update(b"\0");
             listed += 1;
         }
-        let tree = std::path::absolute(tree).unwrap_or_else(|_| tree.to_path_buf());
+        // Absolute, and without a trailing `/` or `/./`: one folder, however spelt, names one
+        // tree (a shard run with `.../MASTER_DATASET/` made a tree of its own).
+        let tree: std::path::PathBuf = std::path::absolute(tree)
+            .unwrap_or_else(|_| tree.to_path_buf())
+            .components()
+            .collect();
         ShardRecord {
             index: shard.index,
             count: shard.count,
@@ -345,6 +350,15 @@ mod tests {
             &settings,
         );
         assert_eq!((a.listed, &a.listing_blake3), (10, &b.listing_blake3));
+        for spelt in ["/data/rec/", "/data/./rec", "/data//rec/."] {
+            let c = ShardRecord::new(
+                Shard::new(1, 2).unwrap(),
+                std::path::Path::new(spelt),
+                all.iter().map(|s| s.as_str()),
+                &settings,
+            );
+            assert_eq!(c.tree, a.tree, "{spelt}");
+        }
         assert_eq!((a.rule.as_str(), &a.settings), (RULE, &b.settings));
         let fewer = ShardRecord::new(
             Shard::new(1, 2).unwrap(),

@@ -706,6 +706,44 @@ fn deploy_files_check_and_run() {
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("shard 1 of 2 is not done"));
 
+    // submit.sh with relative paths (its tasks run in WORK): it hands sbatch absolute ones.
+    let fake = tmp.path().join("fake-bin");
+    std::fs::create_dir_all(&fake).unwrap();
+    let calls = tmp.path().join("sbatch-calls");
+    std::fs::write(
+        fake.join("sbatch"),
+        format!("#!/bin/sh\necho \"$*\" >> {calls:?}\necho 42\n"),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        fake.join("sbatch"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let o = Command::new(root.join("slurm/submit.sh"))
+        .args(["rec", "slurm-rel", "2"])
+        .current_dir(tmp.path())
+        .env(
+            "PATH",
+            format!("{}:{}", fake.display(), std::env::var("PATH").unwrap()),
+        )
+        .output()
+        .unwrap();
+    ok(&o);
+    let calls = std::fs::read_to_string(&calls).unwrap();
+    let (rec_abs, work_abs) = (
+        rec.canonicalize().unwrap(),
+        tmp.path().join("slurm-rel").canonicalize().unwrap(),
+    );
+    assert!(
+        calls.contains(&format!(
+            "shard {} {}",
+            rec_abs.display(),
+            work_abs.display()
+        )) && calls.contains(&format!("merge {} 2", work_abs.display())),
+        "{calls}"
+    );
+
     // The Kubernetes manifest: parsed, and its pods' scripts run for real.
     println!(
         "{}",

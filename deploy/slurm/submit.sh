@@ -17,6 +17,17 @@ shards=$3
 deploy=$(cd "$(dirname "$0")/.." && pwd)
 script="$deploy/slurm/ailhd-shards.sbatch"
 mkdir -p "$work"
+# The tasks run in WORK (--chdir): every path they are given is made absolute here.
+work=$(cd "$work" && pwd)
+recordings=$(cd "$recordings" && pwd) || {
+    echo "submit.sh: the recordings folder $1 is not there" >&2
+    exit 2
+}
+for var in AILHD AILHD_CONFIG; do
+    if [ -n "${!var:-}" ] && [ -e "${!var}" ]; then
+        export "$var=$(realpath "${!var}")"
+    fi
+done
 # shellcheck disable=SC2206 # a list of options
 extra=(${AILHD_SBATCH_ARGS:-})
 array=$(sbatch "${extra[@]}" --parsable --chdir="$work" --array="0-$((shards - 1))" \
