@@ -330,6 +330,7 @@ fn shards_then_merge_equal_one_rebuild() {
     }
     let generations = std::fs::read_dir(merged.join(".inputs")).unwrap().count();
     assert_eq!(generations, 2, "the merge's links and the one before");
+    println!("{}", python("merge_reader.py", &[&merged]));
 
     let moved = tmp.path().join("moved");
     std::fs::rename(&site, &moved).unwrap();

@@ -889,6 +889,20 @@ def _refresh_attributes(f):
     return root
 
 
+def _check_merge_inputs(path, f):
+    """A merged file's inputs (`merged_from_json`) are there: HDF5 reads a missing source of a
+    virtual dataset as zeros, which would pass for rows (all-zero features, label 0)."""
+    if "merged_from_json" not in f.attrs or os.environ.get("HDF5_VDS_PREFIX"):
+        return
+    base = os.path.dirname(os.path.abspath(path))
+    for block in _json_text(f.attrs["merged_from_json"]):
+        source = os.path.normpath(os.path.join(base, block["file"]))
+        if block.get("rows") and not os.path.exists(source):
+            raise OutputsChanged(
+                f"{source}, an input of this merge, is not there, and HDF5 would read its "
+                "rows as zeros; merge again, or restore the input (see docs/scale-out.md)")
+
+
 def _open_h5(h5py, path):
     """SWMR read open (works whether or not a writer is appending), as the ailhd README's h5py
     snippet opens it: `h5py.File(path, "r", libver="latest", swmr=True)`, HDF5's default file
@@ -1480,6 +1494,7 @@ class _Hdf5Files:
                 for name in ("committed_rows", "segments_mel", "labels", "valid"):
                     if name not in f:
                         raise ValueError(f"{self.path}: no dataset {name!r}; not an ailhd output")
+                _check_merge_inputs(self.path, f)
                 self.names_checked = True
             got = None
             if self.raw:
@@ -1564,7 +1579,10 @@ class _Hdf5Files:
                     "block": self.block, "committed": committed, "row_shape": self.row_shape,
                     "verified": self.verified_rows}
         self.chunk_addr = None
-        warnings.warn(f"{self.path}: reading segments_mel through h5py ({why})", stacklevel=4)
+        if not self.f["segments_mel"].is_virtual:
+            # (A merge's rows are read through h5py by design: no warning for those.)
+            warnings.warn(f"{self.path}: reading segments_mel through h5py ({why})",
+                          stacklevel=4)
         return None
 
     def _seed_addresses(self, layout):
