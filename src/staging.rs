@@ -74,6 +74,12 @@ pub fn swap_in(settings: &Settings) -> anyhow::Result<()> {
     finish_pending(settings)
 }
 
+/// A rebuild stopped while it moved its outputs into place: some are the new ones, some the
+/// old ones (or none, a moment), until `run` or `rebuild` rolls the swap forward.
+pub fn swap_pending(settings: &Settings) -> bool {
+    journal(settings).exists()
+}
+
 /// Roll forward a swap whose journal exists. Idempotent: each move checks what is left.
 pub fn finish_pending(settings: &Settings) -> anyhow::Result<()> {
     let j = journal(settings);
@@ -106,6 +112,16 @@ pub fn finish_pending(settings: &Settings) -> anyhow::Result<()> {
         }
         std::fs::rename(&staged, &fin)
             .with_context(|| format!("cannot move {} into place", staged.display()))?;
+        // Test builds (feature `failpoints`): `FAILPOINTS=swap-move=return` stops the process
+        // after the first move, as a kill in the middle of the swap would (tests/cli.rs).
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("swap-move", |_| {
+            log::error!(
+                "fail point swap-move: aborting after moving {}",
+                fin.display()
+            );
+            std::process::abort()
+        });
         parents.extend(fin.parent().map(Path::to_path_buf));
     }
     for parent in &parents {

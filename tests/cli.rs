@@ -418,6 +418,47 @@ fn interrupted_rebuild_leaves_the_old_outputs_in_place() {
     assert_eq!(world.status_json()["files"]["committed"], 3040);
 }
 
+/// A rebuild stopped in the middle of its swap (some outputs new, some old, the manifest not
+/// yet moved): `check-config` says so and passes, `status` says what finishes it, and the
+/// service's start rolls the swap forward and goes on; the result equals a rebuild. Before,
+/// `check-config` refused the half-moved outputs with exit 2 ("there only in part", advising a
+/// rebuild) and `status` said nothing had been ingested (a kill audit).
+#[test]
+fn a_rebuild_stopped_during_its_swap_is_finished_by_the_next_start() {
+    use crate::common::service::{committed, compare_with_rebuild, Service};
+    let world = World::new("[ingest]\ndevice = \"cpu\"\nsettle_ms = 100\n");
+    ailhd::synth::write_tree(&world.rec(), &["LEAK", "NORMAL"], 10, 1).unwrap();
+    ok(&world.run(&["rebuild"]));
+    ailhd::synth::write_tree(&world.rec(), &["BACKGROUND", "CRACK"], 10, 2).unwrap();
+    let o = world
+        .cmd(&["rebuild"])
+        .env("FAILPOINTS", "swap-move=return")
+        .output()
+        .unwrap();
+    assert!(
+        !o.status.success(),
+        "the fail point did not stop the rebuild"
+    );
+    assert!(world.state().join("swap.pending").exists());
+
+    let o = world.run(&["check-config"]);
+    let text = ok(&o);
+    assert!(
+        text.contains("stopped while it moved its outputs"),
+        "{text}"
+    );
+    let o = world.run(&["status"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("moved its outputs into place"), "{err}");
+
+    let svc = Service::start(&world);
+    svc.wait("every recording committed", |s| committed(s) == 40);
+    svc.terminate();
+    assert!(!world.state().join("swap.pending").exists());
+    compare_with_rebuild(&world);
+}
+
 #[test]
 fn one_writer_at_a_time() {
     let world = World::new("");

@@ -940,7 +940,13 @@ fn check_compatible(
 /// each output file's feature settings, label ids and `source_path` width as its reopen checks
 /// them). A mismatch is a [`SettingsDiffer`](crate::output::SettingsDiffer); an output or
 /// manifest that cannot be read is an ordinary (run-time) error.
-pub fn check_outputs(settings: &Settings) -> anyhow::Result<()> {
+///
+/// With a rebuild's swap pending ([`crate::staging::swap_pending`]), the outputs are half old,
+/// half new until `run` or `rebuild` rolls it forward: they are not checked (Ok(false)).
+pub fn check_outputs(settings: &Settings) -> anyhow::Result<bool> {
+    if crate::staging::swap_pending(settings) {
+        return Ok(false);
+    }
     let dir = crate::staging::manifest_dir(settings);
     // A running writer holds the manifest (sled locks it): then the outputs are asked instead,
     // as for a lost state.
@@ -955,7 +961,8 @@ pub fn check_outputs(settings: &Settings) -> anyhow::Result<()> {
     if ingested {
         crate::output::check_complete(&settings.paths.output, &settings.outputs)?;
     }
-    check_made_with(settings)
+    check_made_with(settings)?;
+    Ok(true)
 }
 
 /// Before `run` reads the outputs with the configured settings (a recovery of the manifest
