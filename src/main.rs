@@ -258,12 +258,8 @@ fn check_config(s: &Settings) -> anyhow::Result<()> {
     for p in ailhd::staging::remove_stale(s)? {
         println!("removed {}, left by an interrupted rebuild", p.display());
     }
-    if !ailhd::engine::check_outputs(s)? {
-        println!(
-            "a rebuild stopped while it moved its outputs into place ({}): `ailhd run` or \
-             `ailhd rebuild` finishes that first; the outputs are checked after it",
-            s.paths.state.join("swap.pending").display()
-        );
+    if let Some(pending) = ailhd::engine::check_outputs(s)? {
+        println!("{pending}; the outputs are checked after it");
     }
     let shape = s.features.shape();
     println!(

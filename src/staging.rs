@@ -75,9 +75,17 @@ pub fn swap_in(settings: &Settings) -> anyhow::Result<()> {
 }
 
 /// A rebuild stopped while it moved its outputs into place: some are the new ones, some the
-/// old ones (or none, a moment), until `run` or `rebuild` rolls the swap forward.
-pub fn swap_pending(settings: &Settings) -> bool {
-    journal(settings).exists()
+/// old ones (or none, a moment), until `run` or `rebuild` rolls the swap forward. What to tell
+/// the user then (None: no swap pending).
+pub fn swap_pending(settings: &Settings) -> Option<String> {
+    let j = journal(settings);
+    j.exists().then(|| {
+        format!(
+            "a rebuild stopped while it moved its outputs into place ({}): `ailhd run` (the \
+             service's start) or `ailhd rebuild` finishes that first",
+            j.display()
+        )
+    })
 }
 
 /// Roll forward a swap whose journal exists. Idempotent: each move checks what is left.

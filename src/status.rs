@@ -233,13 +233,8 @@ pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
         }
         return Ok(r);
     }
-    if crate::staging::swap_pending(settings) {
-        anyhow::bail!(
-            "a rebuild stopped while it moved its outputs into place ({}): start the service \
-             (`ailhd run`) or run `ailhd rebuild`, which finish that first; status reports \
-             after it",
-            settings.paths.state.join("swap.pending").display()
-        );
+    if let Some(pending) = crate::staging::swap_pending(settings) {
+        anyhow::bail!("{pending}; status reports after it");
     }
     let dir = crate::staging::manifest_dir(settings);
     if !dir.exists() {

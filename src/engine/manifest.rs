@@ -891,6 +891,18 @@ impl Drop for Manifest {
     }
 }
 
+/// The names of sled's snapshot files in the manifest folder `dir`, sorted (tests).
+#[cfg(test)]
+pub(crate) fn snapshot_names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("snap."))
+        .collect();
+    names.sort();
+    names
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -953,15 +965,7 @@ mod tests {
         put(&Manifest::open(dir.path()).unwrap(), "LEAK/a.wav");
         // The open after a write recovers the log and writes a snapshot of it.
         drop(Manifest::open(dir.path()).unwrap());
-        let snapshots = || -> Vec<String> {
-            let mut names: Vec<String> = std::fs::read_dir(dir.path())
-                .unwrap()
-                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("snap."))
-                .collect();
-            names.sort();
-            names
-        };
+        let snapshots = || snapshot_names(dir.path());
         let done = snapshots();
         assert_eq!(done.len(), 1, "one snapshot after a reopen: {done:?}");
         let bytes = std::fs::read(dir.path().join(&done[0])).unwrap();

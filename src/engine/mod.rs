@@ -942,10 +942,11 @@ fn check_compatible(
 /// manifest that cannot be read is an ordinary (run-time) error.
 ///
 /// With a rebuild's swap pending ([`crate::staging::swap_pending`]), the outputs are half old,
-/// half new until `run` or `rebuild` rolls it forward: they are not checked (Ok(false)).
-pub fn check_outputs(settings: &Settings) -> anyhow::Result<bool> {
-    if crate::staging::swap_pending(settings) {
-        return Ok(false);
+/// half new until `run` or `rebuild` rolls it forward: they are not checked, and what to tell
+/// the user is returned instead.
+pub fn check_outputs(settings: &Settings) -> anyhow::Result<Option<String>> {
+    if let Some(pending) = crate::staging::swap_pending(settings) {
+        return Ok(Some(pending));
     }
     let dir = crate::staging::manifest_dir(settings);
     // A running writer holds the manifest (sled locks it): then the outputs are asked instead,
@@ -962,7 +963,7 @@ pub fn check_outputs(settings: &Settings) -> anyhow::Result<bool> {
         crate::output::check_complete(&settings.paths.output, &settings.outputs)?;
     }
     check_made_with(settings)?;
-    Ok(true)
+    Ok(None)
 }
 
 /// Before `run` reads the outputs with the configured settings (a recovery of the manifest
@@ -1233,15 +1234,7 @@ mod tests {
         let s = Settings::in_folder(dir.path());
         let leak = s.paths.recordings.join("LEAK");
         std::fs::create_dir_all(&leak).unwrap();
-        let snapshots = || {
-            let mut names: Vec<String> = std::fs::read_dir(crate::staging::manifest_dir(&s))
-                .unwrap()
-                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("snap."))
-                .collect();
-            names.sort();
-            names
-        };
+        let snapshots = || manifest::snapshot_names(&crate::staging::manifest_dir(&s));
         let mut engine = Engine::open_live(&s, DeviceChoice::Cpu).unwrap();
         for round in 0..2 {
             let before = snapshots();

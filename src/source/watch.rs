@@ -686,7 +686,7 @@ impl Translator {
             let file_type = entry.file_type();
             if file_type.is_dir() {
                 self.dirs.insert(rel.to_path_buf());
-            } else if let Some(kind) = files.filter(|_| !file_type.is_dir() && is_wav(rel)) {
+            } else if let Some(kind) = files.filter(|_| is_wav(rel)) {
                 emit(WatchEvent::Touched {
                     path: rel.to_path_buf(),
                     kind,
