@@ -49,6 +49,35 @@ pub fn replace(path: &Path, bytes: &[u8], sync: Sync) -> std::io::Result<()> {
     result
 }
 
+/// Swap what two paths name, in one step (Linux `renameat2` with `RENAME_EXCHANGE`): a reader
+/// opening either path meanwhile finds the one or the other, never nothing. Works for files and
+/// folders alike (rename() cannot replace a non-empty folder). `Ok(false)` where the file system
+/// cannot exchange (it said EINVAL or EOPNOTSUPP, or the kernel lacks the call): nothing moved.
+pub fn exchange(a: &Path, b: &Path) -> std::io::Result<bool> {
+    use std::os::unix::ffi::OsStrExt;
+    let a = std::ffi::CString::new(a.as_os_str().as_bytes())?;
+    let b = std::ffi::CString::new(b.as_os_str().as_bytes())?;
+    // SAFETY: two NUL-terminated paths that outlive the call; the call reads nothing else.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_renameat2,
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS) => Ok(false),
+        _ => Err(e),
+    }
+}
+
 /// Make a folder's entries (names created, renamed or removed in it) durable.
 pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
@@ -57,6 +86,25 @@ pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_exchange_swaps_a_file_and_a_folder_in_one_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        std::fs::write(&a, b"file").unwrap();
+        std::fs::create_dir(&b).unwrap();
+        std::fs::write(b.join("inside"), b"x").unwrap();
+        // tempdir() is on /tmp: tmpfs and ext4 both exchange (Linux 3.15 and later).
+        assert!(
+            exchange(&a, &b).unwrap(),
+            "this file system cannot exchange"
+        );
+        assert!(a.join("inside").is_file());
+        assert_eq!(std::fs::read(&b).unwrap(), b"file");
+        let missing = dir.path().join("missing");
+        assert!(exchange(&a, &missing).is_err(), "exchanged with nothing");
+        assert!(a.is_dir());
+    }
 
     #[test]
     fn a_replaced_file_holds_the_new_bytes_and_leaves_no_temporary() {

@@ -64,19 +64,100 @@ pub fn swap_in(settings: &Settings) -> anyhow::Result<()> {
             sync_dir(&dir);
         }
     }
-    // The journal survives a power cut (its bytes, then the state folder, synced) before
-    // anything moves.
-    crate::durable::replace(
-        &journal(settings),
-        b"rebuild swap in progress\n",
-        crate::durable::Sync::Full,
-    )?;
+    write_journal(settings)?;
     finish_pending(settings)
 }
 
+/// The journal survives a power cut (its bytes, then the state folder, synced) before anything
+/// moves. It names what is staged by identity, which tells a roll-forward whether a staged path
+/// still holds the new output or, exchanged, the old one.
+fn write_journal(settings: &Settings) -> anyhow::Result<()> {
+    let mut text = b"rebuild swap in progress\n".to_vec();
+    for (staged, _) in moves(settings) {
+        if let Some((dev, ino)) = identity(&staged) {
+            text.extend_from_slice(format!("{dev}:{ino} ").as_bytes());
+            text.extend_from_slice(staged.as_os_str().as_encoded_bytes());
+            text.push(b'\n');
+        }
+    }
+    crate::durable::replace(&journal(settings), &text, crate::durable::Sync::Full)?;
+    Ok(())
+}
+
+/// A path's (device, inode): what stays with a file or folder when it is renamed or exchanged.
+fn identity(p: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    p.symlink_metadata().ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// The staged paths a journal names, with their identities when the swap began. Empty for a
+/// journal an older version wrote: its swap never exchanged, so a staged path that is there
+/// still holds the new output.
+fn journal_identities(j: &Path) -> std::collections::HashMap<Vec<u8>, (u64, u64)> {
+    let text = std::fs::read(j).unwrap_or_default();
+    text.split(|&b| b == b'\n')
+        .filter_map(|line| {
+            let space = line.iter().position(|&b| b == b' ')?;
+            let (id, path) = (
+                std::str::from_utf8(&line[..space]).ok()?,
+                &line[space + 1..],
+            );
+            let (dev, ino) = id.split_once(':')?;
+            Some((path.to_vec(), (dev.parse().ok()?, ino.parse().ok()?)))
+        })
+        .collect()
+}
+
+/// Move `staged` to `fin`, and the output `fin` named to `old`. Where the file system can, the
+/// two are exchanged in one step, so `fin` names the old or the new output at every instant
+/// (a reader opening it never finds nothing), and the old one is then renamed `old`. Otherwise
+/// (a file system without exchange) the old one is renamed `old` first, leaving `fin` missing
+/// for the moment until the second rename. Returns whether something was set aside.
+fn put_in_place(staged: &Path, fin: &Path, old: &Path) -> anyhow::Result<bool> {
+    // Test builds (feature `failpoints`): `FAILPOINTS=swap-move=return` stops the process in
+    // the middle of the first move, as a kill would (tests/cli.rs).
+    let fail_point = || {
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("swap-move", |_| {
+            log::error!(
+                "fail point swap-move: aborting while moving {}",
+                fin.display()
+            );
+            std::process::abort()
+        });
+    };
+    if fin.symlink_metadata().is_err() {
+        std::fs::rename(staged, fin)
+            .with_context(|| format!("cannot move {} into place", staged.display()))?;
+        return Ok(false);
+    }
+    let exchanged = exchange(staged, fin)
+        .with_context(|| format!("cannot move {} into place", staged.display()))?;
+    if exchanged {
+        fail_point();
+        std::fs::rename(staged, old)
+            .with_context(|| format!("cannot move the old {} aside", fin.display()))?;
+    } else {
+        std::fs::rename(fin, old)
+            .with_context(|| format!("cannot move {} aside", fin.display()))?;
+        fail_point();
+        std::fs::rename(staged, fin)
+            .with_context(|| format!("cannot move {} into place", staged.display()))?;
+    }
+    Ok(true)
+}
+
+/// [`crate::durable::exchange`]. Test builds (feature `failpoints`):
+/// `FAILPOINTS=swap-no-exchange=return` plays a file system that cannot exchange.
+fn exchange(a: &Path, b: &Path) -> std::io::Result<bool> {
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("swap-no-exchange", |_| Ok(false));
+    crate::durable::exchange(a, b)
+}
+
 /// A rebuild stopped while it moved its outputs into place: some are the new ones, some the
-/// old ones (or none, a moment), until `run` or `rebuild` rolls the swap forward. What to tell
-/// the user then (None: no swap pending).
+/// old ones, until `run` or `rebuild` rolls the swap forward. What to tell the user then (None:
+/// no swap pending).
 pub fn swap_pending(settings: &Settings) -> Option<String> {
     let j = journal(settings);
     j.exists().then(|| {
@@ -94,42 +175,36 @@ pub fn finish_pending(settings: &Settings) -> anyhow::Result<()> {
     if !j.exists() {
         return Ok(());
     }
+    let recorded = journal_identities(&j);
     // The replaced outputs are moved aside, and removed together once everything is in place:
     // removing them frees their pages, the larger part of a swap, and the files go in parallel.
     let mut aside = Vec::new();
     let mut parents = std::collections::BTreeSet::new();
     for (staged, fin) in moves(settings) {
         let old = aside_path(&fin);
-        if !staged.exists() {
+        let Some(now) = identity(&staged) else {
             // Already moved; its predecessor may still be aside after a crash.
             if old.symlink_metadata().is_ok() {
                 aside.push(old);
             }
             continue;
-        }
-        if let Some(parent) = fin.parent() {
-            std::fs::create_dir_all(parent)?;
-        }
-        // rename() cannot replace a non-empty folder, and replacing a file would free it here:
-        // the old one goes aside first.
+        };
+        // remove_any: an `old` left by an earlier stop is not this swap's to keep.
         remove_any(&old)?;
-        if fin.symlink_metadata().is_ok() {
-            std::fs::rename(&fin, &old)
-                .with_context(|| format!("cannot move {} aside", fin.display()))?;
+        let key = staged.as_os_str().as_encoded_bytes();
+        if recorded.get(key).is_some_and(|&id| id != now) {
+            // Exchanged, then stopped: the staged path holds the output it replaced.
+            std::fs::rename(&staged, &old)
+                .with_context(|| format!("cannot move the old {} aside", fin.display()))?;
             aside.push(old);
+        } else {
+            if let Some(parent) = fin.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            if put_in_place(&staged, &fin, &old)? {
+                aside.push(old);
+            }
         }
-        std::fs::rename(&staged, &fin)
-            .with_context(|| format!("cannot move {} into place", staged.display()))?;
-        // Test builds (feature `failpoints`): `FAILPOINTS=swap-move=return` stops the process
-        // after the first move, as a kill in the middle of the swap would (tests/cli.rs).
-        #[cfg(feature = "failpoints")]
-        fail::fail_point!("swap-move", |_| {
-            log::error!(
-                "fail point swap-move: aborting after moving {}",
-                fin.display()
-            );
-            std::process::abort()
-        });
         parents.extend(fin.parent().map(Path::to_path_buf));
     }
     for parent in &parents {
@@ -284,6 +359,39 @@ mod tests {
             std::fs::read(npy_dir(&s.paths.output, 0).join("labels.npy")).unwrap(),
             b"new"
         );
+    }
+
+    /// A crash between an exchange and the rename that sets the old output aside: the staged
+    /// path holds the old output, the output's path the new one. Rolling forward keeps the new
+    /// one in place (an exchange again would bring the old one back).
+    #[test]
+    fn swap_rolls_forward_from_a_crash_right_after_an_exchange() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Settings::in_folder(dir.path());
+        prepare(&s).unwrap();
+        std::fs::create_dir_all(&s.paths.state).unwrap();
+        let stage = output_staging(&s);
+        let (h0, staged_h0) = (
+            hdf5_path(&s.paths.output, &s.outputs.hdf5_names, 0),
+            hdf5_path(&stage, &s.outputs.hdf5_names, 0),
+        );
+        let (n0, staged_n0) = (npy_dir(&s.paths.output, 0), npy_dir(&stage, 0));
+        for (path, npy, bytes) in [(&h0, &n0, b"old"), (&staged_h0, &staged_n0, b"new")] {
+            std::fs::write(path, bytes).unwrap();
+            std::fs::create_dir_all(npy).unwrap();
+            std::fs::write(npy.join("labels.npy"), bytes).unwrap();
+        }
+        write_journal(&s).unwrap();
+        assert!(crate::durable::exchange(&staged_h0, &h0).unwrap());
+        assert!(crate::durable::exchange(&staged_n0, &n0).unwrap());
+
+        finish_pending(&s).unwrap();
+        assert_eq!(std::fs::read(&h0).unwrap(), b"new");
+        assert_eq!(std::fs::read(n0.join("labels.npy")).unwrap(), b"new");
+        for (_, fin) in moves(&s) {
+            assert!(!aside_path(&fin).exists(), "{} left aside", fin.display());
+        }
+        assert!(!stage.exists() && !journal(&s).exists());
     }
 
     /// A crash in the middle of a swap: one output moved aside and not yet replaced, another

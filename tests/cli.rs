@@ -419,20 +419,37 @@ fn interrupted_rebuild_leaves_the_old_outputs_in_place() {
 }
 
 /// A rebuild stopped in the middle of its swap (some outputs new, some old, the manifest not
-/// yet moved): `check-config` says so and passes, `status` says what finishes it, and the
-/// service's start rolls the swap forward and goes on; the result equals a rebuild. Before,
-/// `check-config` refused the half-moved outputs with exit 2 ("there only in part", advising a
-/// rebuild) and `status` said nothing had been ingested (a kill audit).
+/// yet moved): every output is still there (each is exchanged with its replacement in one
+/// step; before, each was moved aside and then replaced, and a stop between left it missing),
+/// `check-config` says so and passes, `status` says what finishes it, and the service's start
+/// rolls the swap forward and goes on; the result equals a rebuild. Before, `check-config`
+/// refused the half-moved outputs with exit 2 ("there only in part", advising a rebuild) and
+/// `status` said nothing had been ingested (a kill audit).
 #[test]
 fn a_rebuild_stopped_during_its_swap_is_finished_by_the_next_start() {
+    stop_a_swap_and_start(false);
+}
+
+/// The same on a file system that cannot exchange (a fail point plays one): the output being
+/// replaced is missing until the roll-forward, which finishes the swap all the same.
+#[test]
+fn a_swap_stopped_without_exchange_is_finished_by_the_next_start() {
+    stop_a_swap_and_start(true);
+}
+
+fn stop_a_swap_and_start(without_exchange: bool) {
     use crate::common::service::{committed, compare_with_rebuild, Service};
     let world = World::new("[ingest]\ndevice = \"cpu\"\nsettle_ms = 100\n");
     ailhd::synth::write_tree(&world.rec(), &["LEAK", "NORMAL"], 10, 1).unwrap();
     ok(&world.run(&["rebuild"]));
     ailhd::synth::write_tree(&world.rec(), &["BACKGROUND", "CRACK"], 10, 2).unwrap();
+    let failpoints = match without_exchange {
+        false => "swap-move=return",
+        true => "swap-move=return;swap-no-exchange=return",
+    };
     let o = world
         .cmd(&["rebuild"])
-        .env("FAILPOINTS", "swap-move=return")
+        .env("FAILPOINTS", failpoints)
         .output()
         .unwrap();
     assert!(
@@ -440,6 +457,19 @@ fn a_rebuild_stopped_during_its_swap_is_finished_by_the_next_start() {
         "the fail point did not stop the rebuild"
     );
     assert!(world.state().join("swap.pending").exists());
+    // The first output moved is the training split's HDF5 file.
+    let out = world.out();
+    for name in [
+        "TRAINING_DATASET.H5",
+        "VALIDATION_DATASET.H5",
+        "TESTING_DATASET.H5",
+        "npy/training/labels.npy",
+        "npy/validation/labels.npy",
+    ] {
+        let missing = without_exchange && name == "TRAINING_DATASET.H5";
+        assert_eq!(out.join(name).is_file(), !missing, "{name} after the stop");
+    }
+    assert!(world.state().join("manifest/db").is_file());
 
     let o = world.run(&["check-config"]);
     let text = ok(&o);

@@ -9,13 +9,17 @@
 //! The swap, and what a power cut or a crash at any point leaves (see [`restore`]):
 //! 1. the copy is made in `manifest.compacting`, compared record for record with the original,
 //!    and synced (files, folder, its entry in the state folder);
-//! 2. `manifest` is renamed `manifest.compacted-away`; 3. `manifest.compacting` is renamed
-//!    `manifest`; the state folder is synced; 4. `manifest.compacted-away` is removed.
+//! 2. `manifest` and `manifest.compacting` are exchanged in one step (Linux `renameat2`), so
+//!    `manifest` names a whole database at every instant, for `status` too; the state folder
+//!    is synced; 3. `manifest.compacting`, now the original, is removed.
+//!
+//! On a file system that cannot exchange, step 2 is two renames: `manifest` to
+//! `manifest.compacted-away`, then the copy to `manifest`.
 //!
 //! Nothing writes the manifest meanwhile (the caller holds the writer lock), so both copies
-//! hold the same records: a cut before 3 leaves the old one (put back by name from
-//! `compacted-away` if the cut fell between 2 and 3), a cut after it the new one; what is left
-//! beside it is removed at the next open.
+//! hold the same records: a cut at any point leaves one of them named `manifest` (put back by
+//! name from `compacted-away` if the cut fell between the two renames of the fallback); what is
+//! left beside it is removed at the next open.
 
 use std::path::{Path, PathBuf};
 
@@ -206,10 +210,14 @@ fn copy_and_swap(dir: &Path) -> anyhow::Result<u64> {
         }
     }
     super::manifest::sync_new_folder(&fresh)?;
-    std::fs::rename(dir, aside_dir(dir)).context("setting the old manifest aside")?;
-    if let Err(e) = std::fs::rename(&fresh, dir) {
-        let _ = std::fs::rename(aside_dir(dir), dir);
-        return Err(e).context("moving the copy into place");
+    // One step where the file system can: `manifest` names the original or the copy at every
+    // instant, and the original, now named `manifest.compacting`, goes below.
+    if !crate::durable::exchange(&fresh, dir).context("moving the copy into place")? {
+        std::fs::rename(dir, aside_dir(dir)).context("setting the old manifest aside")?;
+        if let Err(e) = std::fs::rename(&fresh, dir) {
+            let _ = std::fs::rename(aside_dir(dir), dir);
+            return Err(e).context("moving the copy into place");
+        }
     }
     // The copy is in place: the original goes once the swap is durable (a state folder that
     // cannot be synced now keeps it, for the next open to remove).
@@ -314,9 +322,10 @@ mod tests {
         assert!(compact(&tmp.path().join("none")).is_err());
     }
 
-    /// A cut between the two renames of the swap leaves no `manifest`: the next open puts the
-    /// original back; one after them leaves the original set aside, removed by the next open.
-    /// A cut before them leaves an unfinished copy, removed too.
+    /// A cut between the two renames of the fallback swap leaves no `manifest`: the next open
+    /// puts the original back; one after them leaves the original set aside, removed by the next
+    /// open. A cut before the swap leaves an unfinished copy, removed too, and one right after an
+    /// exchange the original under the copy's name, removed likewise.
     #[test]
     fn an_interrupted_swap_is_undone_or_finished_at_the_next_open() {
         let tmp = tempfile::tempdir().unwrap();
@@ -337,7 +346,11 @@ mod tests {
         std::fs::write(fresh_dir(&dir).join("db"), b"half").unwrap();
         assert_eq!(everything(&dir), before);
         assert!(!fresh_dir(&dir).exists());
-        // Cut between the renames: the original aside, the copy complete.
+        // Cut right after the exchange: the original, complete, named as the copy was.
+        copy(&dir, &fresh_dir(&dir));
+        assert_eq!(everything(&dir), before);
+        assert!(!fresh_dir(&dir).exists());
+        // Cut between the fallback's renames: the original aside, the copy complete.
         copy(&dir, &fresh_dir(&dir));
         std::fs::rename(&dir, aside_dir(&dir)).unwrap();
         assert_eq!(everything(&dir), before);
