@@ -26,6 +26,11 @@ pub struct WriterLocks {
     _locks: Vec<WriterLock>,
 }
 
+/// How long a writer waits for a lock held by someone else before it says who holds it: longer
+/// than any probe of the lock (a shared lock taken and released at once), short enough for a
+/// refused writer to answer at once.
+const PROBE_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+
 impl WriterLocks {
     /// Take both locks for `role` ("run", "rebuild"), or say who holds one of them. Folders that
     /// exist are locked before missing ones are created, so a refused writer creates nothing
@@ -62,8 +67,20 @@ impl WriterLock {
             .truncate(false)
             .open(&path)
             .with_context(|| format!("cannot open the lock file {}", path.display()))?;
-        // SAFETY: flock on a file descriptor we own; no memory is involved.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        // A writer holds the lock for as long as it runs; `status`, `check-config` and
+        // `reload` hold it shared for a moment to see whether one does. A lock still held after
+        // PROBE_WAIT is a writer's.
+        let started = std::time::Instant::now();
+        let rc = loop {
+            // SAFETY: flock on a file descriptor we own; no memory is involved.
+            let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+            let busy = rc != 0
+                && std::io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK);
+            if !busy || started.elapsed() >= PROBE_WAIT {
+                break rc;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
         if rc != 0 {
             let err = std::io::Error::last_os_error();
             if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
@@ -105,6 +122,14 @@ impl WriterLock {
         Some((pid, it.next().unwrap_or("").to_string()))
     }
 
+    /// The state lock's holder, if any: its description ("pid N (ailhd run)"), pid and role.
+    pub fn holder_described(state_dir: &Path) -> Option<(String, Option<u32>, String)> {
+        let (described, text) = Self::holder_of(state_dir)?;
+        let mut it = text.split_whitespace();
+        let pid = it.next().and_then(|p| p.parse().ok());
+        Some((described, pid, it.next().unwrap_or("").to_string()))
+    }
+
     /// (description, raw "pid role" text) of the state lock's holder.
     fn holder_of(dir: &Path) -> Option<(String, String)> {
         let mut file = File::open(dir.join(STATE_LOCK)).ok()?;
@@ -120,18 +145,29 @@ impl WriterLock {
 }
 
 /// The lock file's "pid role" line. A holder that has just taken the lock may not have written
-/// it yet: look again for a moment.
+/// it yet (the file is empty, or still names the previous holder, whose process is gone): look
+/// again for a moment.
 fn read_holder(file: &mut File) -> String {
+    let mut text = String::new();
     for _ in 0..20 {
-        let mut text = String::new();
+        text.clear();
         let _ = file.rewind();
         let _ = file.read_to_string(&mut text);
-        if !text.trim().is_empty() {
+        let pid = text.split_whitespace().next().and_then(|p| p.parse().ok());
+        if pid.is_some_and(alive) {
             return text;
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    String::new()
+    text
+}
+
+/// Whether a process with this pid exists (one of another user's included).
+fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists; nothing is sent.
+    pid > 0
+        && (unsafe { libc::kill(pid, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
 }
 
 fn describe_holder(text: &str) -> String {
@@ -178,6 +214,23 @@ mod tests {
         drop(first);
         assert!(WriterLock::holder(dir.path()).is_none());
         WriterLock::acquire(dir.path(), "rebuild").unwrap();
+    }
+
+    /// `status` probing the lock (a shared lock for a moment) as a writer starts does not turn
+    /// the writer away (a kill audit saw one refused, naming the pid of a writer long gone).
+    #[test]
+    fn a_writer_waits_out_a_probe_of_its_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(WriterLock::acquire(dir.path(), "run").unwrap());
+        let probe = File::open(dir.path().join(STATE_LOCK)).unwrap();
+        // SAFETY: flock on a descriptor this test owns.
+        assert_eq!(unsafe { libc::flock(probe.as_raw_fd(), libc::LOCK_SH) }, 0);
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            drop(probe);
+        });
+        WriterLock::acquire(dir.path(), "rebuild").unwrap();
+        release.join().unwrap();
     }
 
     #[test]

@@ -341,6 +341,10 @@ fn build_staged(
     engine
         .manifest()
         .set_meta("rebuilt_at_ms", &now_ms().to_string())?;
+    if let Some(s) = shard {
+        // What `status` of the folder says it is.
+        engine.manifest().set_meta("shard", &s.to_string())?;
+    }
     let shared = match &record {
         Some(_) => Some(shared_by_split(engine.manifest(), settings)?),
         None => None,

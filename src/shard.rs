@@ -155,10 +155,16 @@ impl Shard {
             why,
         };
         let number = |what: &str, s: &str| -> Result<u32, ShardError> {
-            s.trim().parse::<u32>().map_err(|_| {
-                err(format!(
-                    "{what} `{s}` is not a whole number (expected I/N, auto or auto/N)"
-                ))
+            let s = s.trim();
+            s.parse::<u32>().map_err(|e| {
+                err(match e.kind() {
+                    std::num::IntErrorKind::PosOverflow => {
+                        format!("{what} `{s}` is too large (at most {})", u32::MAX)
+                    }
+                    _ => {
+                        format!("{what} `{s}` is not a whole number (expected I/N, auto or auto/N)")
+                    }
+                })
             })
         };
         let (first, count) = match value.split_once('/') {
@@ -383,6 +389,11 @@ mod tests {
         assert!(e("4/4").contains("not below the count"), "{}", e("4/4"));
         assert!(e("0/0").contains("at least 1"));
         assert!(e("x/4").contains("not a whole number"));
+        assert!(
+            e("0/99999999999").contains("too large"),
+            "{}",
+            e("0/99999999999")
+        );
         assert!(e("3").contains("expected I/N"));
         assert!(e("auto").contains("SLURM_ARRAY_TASK_ID"));
         assert_eq!(Shard::new(1, 3).unwrap().to_string(), "1/3");

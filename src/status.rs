@@ -102,6 +102,9 @@ pub struct StatusReport {
     pub label_conflicts: Vec<LabelConflict>,
     pub service: Option<ServiceStatus>,
     pub feature_fingerprint: Option<String>,
+    /// `I/N` for the outputs of `rebuild --shard I/N` (one part of the tree).
+    #[serde(default)]
+    pub shard: Option<String>,
 }
 
 pub fn snapshot_path(settings: &Settings) -> PathBuf {
@@ -153,6 +156,30 @@ fn read_snapshot(settings: &Settings) -> anyhow::Result<StatusReport> {
     }
     best.ok_or_else(|| first_error.expect("two paths tried"))
 }
+
+/// The running service's snapshot, once the process holding the lock (`pid`) has written one:
+/// right after a start, the snapshot there is its predecessor's (another pid, other counts)
+/// until the new service writes its own, within moments of taking the lock.
+fn snapshot_of(settings: &Settings, pid: Option<u32>) -> anyhow::Result<StatusReport> {
+    let started = std::time::Instant::now();
+    loop {
+        let r = read_snapshot(settings);
+        let theirs = |r: &StatusReport| pid.is_none() || r.service.as_ref().map(|s| s.pid) == pid;
+        match r {
+            Ok(r) if theirs(&r) => return Ok(r),
+            _ if started.elapsed() < SNAPSHOT_WAIT => {
+                std::thread::sleep(std::time::Duration::from_millis(20))
+            }
+            Ok(_) => anyhow::bail!(
+                "it is starting and has not written its status yet (the snapshot there is an earlier process's): try again in a moment"
+            ),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// How long `status` waits for a service that has just started to write its first snapshot.
+const SNAPSHOT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The report from the manifest's [`Summary`](crate::engine::manifest::Summary) and its derived
 /// trees: what it costs grows with the quarantined files and the contents several paths hold,
@@ -214,6 +241,7 @@ pub fn collect(
         );
     }
     r.feature_fingerprint = manifest.get_meta("feature_fingerprint")?;
+    r.shard = manifest.get_meta("shard")?;
     Ok(r)
 }
 
@@ -223,9 +251,14 @@ pub fn collect(
 /// opening the manifest costs time that grows with it (sled reads its page table), a kept
 /// report does not.
 pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
-    if let Some(holder) = WriterLock::holder(&settings.paths.state) {
+    if let Some((holder, pid, role)) = WriterLock::holder_described(&settings.paths.state) {
+        if role == "rebuild" {
+            anyhow::bail!(
+                "{holder} is rebuilding the outputs and holds the manifest: `status` reports once it is done"
+            );
+        }
         let mut r =
-            read_snapshot(settings).with_context(|| format!("{holder} holds the manifest"))?;
+            snapshot_of(settings, pid).with_context(|| format!("{holder} holds the manifest"))?;
         r.writer = Some(holder);
         if let Some(svc) = r.service.as_mut() {
             let age_ms = crate::engine::manifest::now_ms() - svc.updated_ms;
@@ -359,6 +392,12 @@ pub fn render(r: &StatusReport) -> String {
         None => {
             let _ = writeln!(s, "writer: none (service not running)");
         }
+    }
+    if let Some(shard) = &r.shard {
+        let _ = writeln!(
+            s,
+            "shard: {shard} of the tree (`rebuild --shard`): `ailhd merge` the shards for the whole dataset"
+        );
     }
     if let Some(svc) = &r.service {
         render_service(&mut s, svc);
@@ -528,5 +567,48 @@ mod tests {
         record(&Manifest::open(&mdir).unwrap(), "LEAK/b.wav");
         assert_eq!(load(&s).unwrap().files.get("committed"), Some(&2));
         assert_eq!(read_stopped(&s).unwrap().files.get("committed"), Some(&2));
+    }
+
+    /// Right after a start, the snapshot in the state folder is the previous process's: `status`
+    /// waits for the one the lock's holder writes, and says the holder is starting if none
+    /// comes. A kill audit saw the previous pid and counts shown for 10-40 ms after a start.
+    #[test]
+    fn a_running_service_is_reported_from_its_own_snapshot_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Settings::in_folder(dir.path());
+        std::fs::create_dir_all(&s.paths.state).unwrap();
+        let path = snapshot_path(&s);
+        let snapshot = move |pid: u32, committed: u64| {
+            let mut r = StatusReport::default();
+            r.files.insert("committed".into(), committed);
+            r.service = Some(ServiceStatus {
+                pid,
+                updated_ms: crate::engine::manifest::now_ms(),
+                ..Default::default()
+            });
+            std::fs::write(&path, serde_json::to_vec(&r).unwrap()).unwrap();
+        };
+        let me = std::process::id();
+        snapshot(me.wrapping_add(1), 7); // the predecessor's
+        let _lock = WriterLock::acquire(&s.paths.state, "run").unwrap();
+        let err = format!("{:#}", load(&s).unwrap_err());
+        assert!(err.contains("is starting"), "{err}");
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            snapshot(me, 9);
+        });
+        let r = load(&s).unwrap();
+        writer.join().unwrap();
+        assert_eq!(r.files.get("committed"), Some(&9));
+        assert_eq!(r.service.unwrap().pid, me);
+    }
+
+    #[test]
+    fn a_running_rebuild_is_named_not_an_older_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Settings::in_folder(dir.path());
+        let _lock = WriterLock::acquire(&s.paths.state, "rebuild").unwrap();
+        let err = format!("{:#}", load(&s).unwrap_err());
+        assert!(err.contains("(ailhd rebuild) is rebuilding"), "{err}");
     }
 }

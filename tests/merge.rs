@@ -216,6 +216,11 @@ fn shards_then_merge_equal_one_rebuild() {
     // Each file is recorded by exactly one shard, and nowhere quarantined for being elsewhere.
     let full = status(&reference);
     let shards: Vec<serde_json::Value> = shard_configs.iter().map(|c| status(c)).collect();
+    // Each says which shard it is; the whole tree's says none.
+    assert!(full["shard"].is_null(), "{}", full["shard"]);
+    for (i, s) in shards.iter().enumerate() {
+        assert_eq!(s["shard"], format!("{i}/{n}"));
+    }
     let count = |s: &serde_json::Value, k: &str| s["files"][k].as_u64().unwrap_or(0);
     for k in ["committed", "quarantined"] {
         let sum: u64 = shards.iter().map(|s| count(s, k)).sum();
@@ -483,6 +488,13 @@ fn incompatible_inputs_and_bad_targets_are_refused() {
         &run(&a, &["merge", &dir("a"), "--into", &dir("a")]),
         &["input"],
     );
+    // Nor into a folder yet to be made inside one.
+    let inside = format!("{}/merged/here", dir("a"));
+    refused(
+        &run(&a, &["merge", &dir("a"), "--into", &inside]),
+        &["is (inside) the input"],
+    );
+    assert!(!Path::new(&dir("a")).join("merged").exists());
     refused(
         &run(&a, &["merge", &dir("a"), "--into", &dir("d")]),
         &["not a previous merge"],
