@@ -994,7 +994,13 @@ pub(in crate::pagecache) fn make_stable_inner(
                     );
                 }
             } else {
-                iobufs.interval_updated.wait(&mut waiter);
+                // ailhd (vendor/README.md): a bounded wait, after which the loop looks at the
+                // global error and the current buffer again, so that a wakeup missed by any
+                // path that sets an error cannot leave a flush waiting for ever.
+                let _ = iobufs.interval_updated.wait_for(
+                    &mut waiter,
+                    std::time::Duration::from_millis(200),
+                );
             }
         } else {
             debug!("make_stable({}) returning", lsn);

@@ -442,6 +442,11 @@ impl Log {
                         lsn, e
                     );
                     iobufs.config.set_global_error(e);
+                    // ailhd (vendor/README.md): wake the threads waiting in make_stable for
+                    // this buffer, as the other write paths do; without it they waited for ever.
+                    let intervals = iobufs.intervals.lock();
+                    drop(intervals);
+                    let _notified = iobufs.interval_updated.notify_all();
                 }
             })?;
 

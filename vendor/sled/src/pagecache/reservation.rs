@@ -22,6 +22,10 @@ impl<'a> Drop for Reservation<'a> {
         if !self.flushed {
             if let Err(e) = self.flush(false) {
                 self.log.config.set_global_error(e);
+                // ailhd (vendor/README.md): wake the threads waiting in make_stable.
+                let intervals = self.log.iobufs.intervals.lock();
+                drop(intervals);
+                let _notified = self.log.iobufs.interval_updated.notify_all();
             }
         }
     }
