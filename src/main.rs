@@ -365,14 +365,24 @@ fn compact(s: &Settings) -> anyhow::Result<()> {
     if let Some(report) = kept {
         let _ = ailhd::status::save_stopped(s, &report);
     }
-    println!(
-        "{}: compacted from {:.1} MB to {:.1} MB on disk ({} records) in {:.1} s",
-        dir.display(),
-        done.before as f64 / 1e6,
-        done.after as f64 / 1e6,
-        done.records,
-        t.elapsed().as_secs_f64()
-    );
+    let mb = |b: u64| b as f64 / 1e6;
+    if done.swapped {
+        println!(
+            "{}: compacted from {:.1} MB to {:.1} MB on disk ({} records) in {:.1} s",
+            dir.display(),
+            mb(done.before),
+            mb(done.after),
+            done.records,
+            t.elapsed().as_secs_f64()
+        );
+    } else {
+        println!(
+            "{}: left as it was: a compacted copy would not save a tenth of its {:.1} MB on disk ({} records; sled's log takes whole segments)",
+            dir.display(),
+            mb(done.before),
+            done.records
+        );
+    }
     Ok(())
 }
 

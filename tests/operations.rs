@@ -684,8 +684,10 @@ fn every_documented_metric_family_is_there_from_the_first_scrape() {
 }
 
 /// `ailhd compact` (the service stopped) puts a fresh copy of the manifest in its place with
-/// every record: `status` reports the same, a start takes new recordings with it, and the
-/// outputs still agree with a rebuild. While the service runs it is refused.
+/// every record, or leaves it as it was when the copy would be no smaller (as here: a few
+/// recordings, written once): `status` reports the same, a start takes new recordings with it,
+/// and the outputs still agree with a rebuild. While the service runs it is refused. (The swap
+/// itself: engine::compact's tests and power_loss's compaction test.)
 #[test]
 #[serial]
 fn compact_replaces_the_manifest_with_a_copy_that_keeps_every_record() {
@@ -694,7 +696,10 @@ fn compact_replaces_the_manifest_with_a_copy_that_keeps_every_record() {
     ok(&world.run(&["rebuild", "--device", "cpu"]));
     let before = world.status_json();
     let said = ok(&world.run(&["compact"]));
-    assert!(said.contains("compacted from"), "{said}");
+    assert!(
+        said.contains("compacted from") || said.contains("left as it was"),
+        "{said}"
+    );
     let names: Vec<String> = std::fs::read_dir(world.state())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
