@@ -261,6 +261,19 @@ fn check_config(s: &Settings) -> anyhow::Result<()> {
     if let Some(pending) = ailhd::engine::check_outputs(s)? {
         println!("{pending}; the outputs are checked after it");
     }
+    if s.ingest.device == ailhd::config::DeviceChoice::Cuda {
+        // Not a configuration error (a driver may be installed later), but worth saying now.
+        let search = ailhd::features::cuda::LibrarySearch::for_featuriser(&s.gpu);
+        let probe = ailhd::features::cuda::probe_with(&search);
+        if !probe.problems.is_empty() {
+            println!(
+                "warning: ingest.device = cuda, but featurising on a GPU is not possible here now: {}. \
+                 `ailhd rebuild` and `ailhd run` fail until it is (systemd starts the service again \
+                 every 2 s); `ailhd doctor` says more, and device = auto would use the CPU meanwhile",
+                probe.problems.join("; ")
+            );
+        }
+    }
     let shape = s.features.shape();
     println!(
         "configuration OK: recordings {}, output {}, state {}; rows of {:?}",

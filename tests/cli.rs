@@ -75,6 +75,23 @@ fn check_config_accepts_the_shipped_files_and_names_bad_keys() {
     }
 }
 
+/// `check-config` with `ingest.device = "cuda"` says so where featurising on a GPU is not
+/// possible (it passes: a driver may come later), and says nothing where it is.
+#[test]
+fn check_config_warns_of_a_cuda_device_that_cannot_work_here() {
+    let world = World::new("[ingest]\ndevice = \"cuda\"\n");
+    let text = ok(&world.run(&["check-config"]));
+    let search = ailhd::features::cuda::LibrarySearch::for_featuriser(&Default::default());
+    let problems = ailhd::features::cuda::probe_with(&search).problems;
+    let warned = text.contains("warning: ingest.device = cuda");
+    assert_eq!(warned, !problems.is_empty(), "{problems:?}: {text}");
+    if warned {
+        assert!(text.contains(&problems[0]), "{text}");
+    }
+    let text = ok(&World::new("[ingest]\ndevice = \"cpu\"\n").run(&["check-config"]));
+    assert!(!text.contains("warning"), "{text}");
+}
+
 #[test]
 fn environment_overrides_and_config_search_order() {
     let world = World::new("");
