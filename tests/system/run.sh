@@ -4,7 +4,8 @@
 # dpkg, boots the rootfs with systemd-nspawn (systemd as the container's PID 1) and checks what
 # an operator relies on: the package's user, groups and enabled-not-started unit; a start while
 # unconfigured that waits for the recordings folder, and one clean failed start (status 2, no
-# restart loop) for a configuration error; READY=1; STATUS=; journal fields FILE and
+# restart loop) for a configuration error; a failure that may pass (ingest.device = cuda without
+# a GPU) restarted for as long as it lasts (no start limit); READY=1; STATUS=; journal fields FILE and
 # REASON; `systemctl reload` accepted (exit 0) and refused (non-zero); the metrics textfile and
 # (with the drop-in docs/operations.md gives) the HTTP endpoint;
 # new recordings ingested; watchdog restart after SIGSTOP; clean stop. Powers the container off.
@@ -146,10 +147,30 @@ check "misconfigured: exit status 2" [ "$(prop ExecMainStatus)" = 2 ]
 check "misconfigured: not restarted (no loop)" [ "$(prop NRestarts)" = 0 ]
 check "misconfigured: the journal names the key" grep -q 'idle_close_s' "$OUT/misconfigured.txt"
 
-# ------------------------------------------------------------------ configure and start
-step "configure, start"
+# ------------------------------------------------------------------ a failure that may pass
+step "a failure that may pass (ingest.device = cuda, no GPU here): started again and again, never left down"
 mkdir -p "$ROOT/srv/ailhd/recordings"
 for l in BACKGROUND CRACK LEAK NORMAL UNCLASSIFIED; do mkdir -p "$ROOT/srv/ailhd/recordings/$l"; done
+cat > "$ROOT/etc/ailhd/ailhd.toml" <<'EOF'
+[paths]
+recordings = "/srv/ailhd/recordings"
+output = "/var/lib/ailhd/output"
+state = "/var/lib/ailhd/state"
+
+[ingest]
+device = "cuda"
+EOF
+C systemctl reset-failed ailhd
+C systemctl restart ailhd
+sleep 16   # systemd's default start limit (5 starts in 10 s) would have left it failed by now
+echo "after 16 s: $(C systemctl is-active ailhd), NRestarts $(prop NRestarts), Result $(prop Result)" | tee -a "$OUT/summary.txt"
+check "cuda without a GPU: started again (NRestarts >= 5)" [ "$(prop NRestarts)" -ge 5 ]
+check "cuda without a GPU: not left down by a start limit" [ "$(prop Result)" != start-limit-hit ]
+C systemctl stop ailhd
+C systemctl reset-failed ailhd 2>/dev/null
+
+# ------------------------------------------------------------------ configure and start
+step "configure, start"
 cat > "$ROOT/etc/ailhd/ailhd.toml" <<'EOF'
 [paths]
 recordings = "/srv/ailhd/recordings"
