@@ -518,6 +518,41 @@ fn a_stop_asked_while_the_process_restarts_is_obeyed() {
     );
 }
 
+/// The same SIGTERM a moment later, after the service's last look at whether a stop was asked
+/// and before its `execve` (a fail point holds that instant open): it is kept pending across
+/// the exec, and the fresh image stops once its handlers are in place. Before, that image did
+/// not know of the stop and went on running.
+#[test]
+#[serial]
+fn a_stop_asked_as_the_process_is_replaced_reaches_the_new_image() {
+    let world = World::new(FAST);
+    let rec = world.rec();
+    let mut svc = Service::start_failing(&world, "reexec-exec=sleep(3000)");
+    write_via_rename(
+        &rec,
+        "LEAK/S001~R1~20250118120530~100.wav",
+        &clip_wav("LEAK", 932),
+    );
+    svc.wait("one recording committed", |s| committed(s) == 1);
+    std::fs::remove_dir_all(world.state()).unwrap();
+    svc.wait_for("the restart to begin", || {
+        svc.log().contains("restarting the service's process")
+    });
+    std::thread::sleep(Duration::from_millis(500)); // into the fail point's sleep
+    svc.sigterm();
+    let status = exit_within(&mut svc.child, Duration::from_secs(30)).unwrap_or_else(|| {
+        let _ = svc.child.kill();
+        panic!("the service went on after SIGTERM; log:\n{}", svc.log())
+    });
+    let log = svc.log();
+    assert!(status.success(), "{status:?}; log:\n{log}");
+    assert!(
+        !log.contains("not restarting the process: stopping"),
+        "the stop was seen before the exec, not after: {log}"
+    );
+    assert!(log.contains("SIGTERM: draining and stopping"), "{log}");
+}
+
 #[test]
 #[serial]
 fn a_lost_state_is_rebuilt_from_the_outputs_and_no_row_moves() {

@@ -42,6 +42,33 @@ use tokio::sync::mpsc;
 pub(crate) static STOP_ASKED: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
+/// The thread replacing the process with a fresh image (`worker::reexec`), 0 when none is: it
+/// holds the stop signals blocked from before it looks at [`STOP_ASKED`] until `execve`, and a
+/// stop signal handled meanwhile by another thread is sent on to it, where it stays pending
+/// across `execve`; the fresh image receives it once its own handlers are in place.
+pub(crate) static REEXEC_TID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// What a stop signal does at once, inside its handler (async-signal-safe: atomics and one
+/// system call).
+fn on_stop_signal(sig: libc::c_int) {
+    STOP_ASKED.store(true, Ordering::SeqCst);
+    let tid = REEXEC_TID.load(Ordering::SeqCst);
+    if tid != 0 {
+        // SAFETY: tgkill sends a signal to a thread of this process; nothing else is touched.
+        unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), tid, sig) };
+    }
+}
+
+/// Hold (true) or let through (false) the service's signals on the calling thread: around
+/// `worker::reexec`'s last look at [`STOP_ASKED`] and its `execve`.
+pub(crate) fn hold_signals_here(hold: bool) {
+    signal_mask(if hold {
+        libc::SIG_BLOCK
+    } else {
+        libc::SIG_UNBLOCK
+    });
+}
+
 /// The signals the service answers: SIGTERM and SIGINT stop it, SIGHUP reloads.
 const ANSWERED: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
 
@@ -167,10 +194,8 @@ pub fn run(settings: Settings, config_path: Option<PathBuf>) -> anyhow::Result<(
         let hup = signal(SignalKind::hangup())?;
         for stop in [libc::SIGTERM, libc::SIGINT] {
             // Safety: the action only stores to an atomic (async-signal-safe).
-            unsafe {
-                signal_hook_registry::register(stop, || STOP_ASKED.store(true, Ordering::SeqCst))
-            }
-            .context("cannot install the stop signals' handler")?;
+            unsafe { signal_hook_registry::register(stop, move || on_stop_signal(stop)) }
+                .context("cannot install the stop signals' handler")?;
         }
         signal_mask(libc::SIG_UNBLOCK);
         let shutdown = async move {

@@ -40,21 +40,54 @@ pub(super) struct Fault {
 /// it, and the service would go on after a SIGTERM. Returns false then, true when the exec
 /// failed.
 fn reexec(why: &str) -> bool {
-    use std::os::unix::process::CommandExt;
     log::warn!("{why}");
     // Test builds (feature `failpoints`): `FAILPOINTS=reexec=sleep(MS)` holds the worker here,
     // where a SIGTERM must still stop the service.
     #[cfg(feature = "failpoints")]
     fail::fail_point!("reexec");
+    // From here to execve a stop signal ends up pending on this thread (see REEXEC_TID), and
+    // the fresh image, which starts with it held, stops once its handlers are in place.
+    super::hold_signals_here(true);
+    // SAFETY: gettid has no arguments and cannot fail.
+    let tid = unsafe { libc::syscall(libc::SYS_gettid) } as i32;
+    super::REEXEC_TID.store(tid, Ordering::SeqCst);
+    let done = |restarting: bool| {
+        super::REEXEC_TID.store(0, Ordering::SeqCst);
+        super::hold_signals_here(false); // a signal sent on meanwhile is handled now
+        restarting
+    };
     if super::STOP_ASKED.load(Ordering::SeqCst) {
         log::info!("not restarting the process: stopping");
-        return false;
+        return done(false);
     }
-    let e = std::process::Command::new("/proc/self/exe")
-        .args(std::env::args_os().skip(1))
-        .exec();
+    // Test builds: `FAILPOINTS=reexec-exec=sleep(MS)` holds the instant between the last look
+    // at STOP_ASKED and execve open.
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("reexec-exec");
+    let e = exec_self();
     log::error!("cannot restart the process ({e}); reopening in place");
-    true
+    done(true)
+}
+
+/// execv of this program with its own arguments and environment: not `Command::exec`, which
+/// empties the signal mask before `execve`, so that a stop signal held pending would be handled
+/// by this image, which is going, instead of the fresh one. Returns only on failure.
+fn exec_self() -> std::io::Error {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let args: Vec<CString> = match std::env::args_os()
+        .map(|a| CString::new(a.as_bytes()))
+        .collect()
+    {
+        Ok(args) => args,
+        Err(e) => return e.into(),
+    };
+    let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    // SAFETY: a NUL-terminated path and a NULL-terminated array of NUL-terminated strings that
+    // outlive the call; execv returns only on failure.
+    unsafe { libc::execv(c"/proc/self/exe".as_ptr(), argv.as_ptr()) };
+    std::io::Error::last_os_error()
 }
 
 /// Whether the output and state folders take a small synced write now: a probe file written,
