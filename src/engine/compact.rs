@@ -352,7 +352,9 @@ mod tests {
         let size = disk_bytes(&dir);
         let done = compact(&dir).unwrap();
         assert!(!done.swapped, "{done:?}");
-        assert_eq!((done.before, done.after), (size, size));
+        // Opening it may give back free segments of sled's log (the vendored punch): never more.
+        assert_eq!(done.before, size);
+        assert!(done.after <= size, "{done:?}");
         assert_eq!(everything(&dir), before);
         assert!(!fresh_dir(&dir).exists() && !aside_dir(&dir).exists());
     }
