@@ -78,7 +78,7 @@ impl Paths {
 
 /// `path` made absolute, without `.` and `..`, and with the links of the part that exists
 /// resolved (so that two spellings of one folder compare equal).
-fn resolved(path: &Path) -> PathBuf {
+pub(crate) fn resolved(path: &Path) -> PathBuf {
     let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     let mut lexical = PathBuf::new();
     for part in absolute.components() {

@@ -116,10 +116,8 @@ impl WriterLock {
 
     /// Pid and role ("run", "rebuild") of the state lock's holder, if any (for `ailhd reload`).
     pub fn holder_info(state_dir: &Path) -> Option<(u32, String)> {
-        let (_, text) = Self::holder_of(state_dir)?;
-        let mut it = text.split_whitespace();
-        let pid = it.next()?.parse().ok()?;
-        Some((pid, it.next().unwrap_or("").to_string()))
+        let (_, pid, role) = Self::holder_described(state_dir)?;
+        Some((pid?, role))
     }
 
     /// The state lock's holder, if any: its description ("pid N (ailhd run)"), pid and role.

@@ -527,23 +527,8 @@ fn created_at() -> String {
 /// Make sure `into` may receive a merge: absent, empty, or a previous merge (it has
 /// [`MARKER`]); not one of the inputs, not inside one.
 fn prepare_into(into: &Path, inputs: &[PathBuf]) -> Result<()> {
-    // Where `into` is or would be: its nearest existing folder resolved, the rest as named.
-    let mut existing = std::path::absolute(into)?;
-    let mut rest = Vec::new();
-    while !existing.exists() {
-        match (
-            existing.file_name().map(|n| n.to_os_string()),
-            existing.parent(),
-        ) {
-            (Some(name), Some(parent)) => {
-                rest.push(name);
-                existing = parent.to_path_buf();
-            }
-            _ => break,
-        }
-    }
-    let mut canon = existing.canonicalize().unwrap_or(existing);
-    canon.extend(rest.iter().rev());
+    // Where `into` is or would be, spelled as the inputs are (they are canonical).
+    let canon = crate::config::resolved(into);
     if let Some(d) = inputs.iter().find(|d| canon.starts_with(d)) {
         return Err(refuse(format!(
             "--into {}: is (inside) the input {}; merge into a folder of its own",
