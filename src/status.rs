@@ -252,10 +252,13 @@ pub fn collect(
 /// report does not.
 pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
     if let Some((holder, pid, role)) = WriterLock::holder_described(&settings.paths.state) {
-        if role == "rebuild" {
-            anyhow::bail!(
+        // Only the service writes snapshots; another holder's would be an older process's.
+        match role.as_str() {
+            "run" => {}
+            "rebuild" => anyhow::bail!(
                 "{holder} is rebuilding the outputs and holds the manifest: `status` reports once it is done"
-            );
+            ),
+            _ => anyhow::bail!("{holder} holds the manifest: `status` reports once it is done"),
         }
         let mut r =
             snapshot_of(settings, pid).with_context(|| format!("{holder} holds the manifest"))?;
@@ -607,8 +610,15 @@ mod tests {
     fn a_running_rebuild_is_named_not_an_older_snapshot() {
         let dir = tempfile::tempdir().unwrap();
         let s = Settings::in_folder(dir.path());
-        let _lock = WriterLock::acquire(&s.paths.state, "rebuild").unwrap();
+        let lock = WriterLock::acquire(&s.paths.state, "rebuild").unwrap();
         let err = format!("{:#}", load(&s).unwrap_err());
         assert!(err.contains("(ailhd rebuild) is rebuilding"), "{err}");
+        drop(lock);
+        // Nor a compaction's: it writes no snapshot, so none is waited for.
+        let _lock = WriterLock::acquire(&s.paths.state, "compact").unwrap();
+        let asked = std::time::Instant::now();
+        let err = format!("{:#}", load(&s).unwrap_err());
+        assert!(err.contains("(ailhd compact) holds the manifest"), "{err}");
+        assert!(asked.elapsed() < SNAPSHOT_WAIT, "{:?}", asked.elapsed());
     }
 }
