@@ -65,3 +65,4 @@ pub mod source;
 pub mod staging;
 pub mod status;
 pub mod synth;
+pub mod waiting;

@@ -147,6 +147,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(cli.command, Command::Run) {
         ailhd::service::hold_signals();
+        ailhd::service::name_after_program();
     } else {
         // A reader that goes away (`ailhd inspect f --json | head -1`) ends the command quietly,
         // as Unix tools do: Rust ignores SIGPIPE, and every print would then panic with "Broken
@@ -245,7 +246,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             // Tests hold the start here to signal it while it configures (tests/daemon.rs).
             fail::fail_point!("run-configure");
             let s = load_settings(&cli)?;
-            if !ailhd::service::wait_for_paths(&s)? {
+            let config = cli.config.as_deref();
+            if !ailhd::service::wait_for_paths(&s, config)?
+                || !ailhd::service::wait_for_gpu(&s, config)?
+            {
                 return Ok(());
             }
             ailhd::service::run(s, cli.config.clone())
@@ -268,8 +272,8 @@ fn check_config(s: &Settings) -> anyhow::Result<()> {
         if !probe.problems.is_empty() {
             println!(
                 "warning: ingest.device = cuda, but featurising on a GPU is not possible here now: {}. \
-                 `ailhd rebuild` and `ailhd run` fail until it is (systemd starts the service again \
-                 every 2 s); `ailhd doctor` says more, and device = auto would use the CPU meanwhile",
+                 `ailhd rebuild` fails until it is, and `ailhd run` waits for it (looking again \
+                 every 10 s); `ailhd doctor` says more, and device = auto would use the CPU meanwhile",
                 probe.problems.join("; ")
             );
         }

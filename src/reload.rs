@@ -65,7 +65,11 @@ pub fn request(
     timeout: Duration,
 ) -> anyhow::Result<Outcome> {
     let state = &settings.paths.state;
-    let Some((pid, role)) = WriterLock::holder_info(state) else {
+    // A service waiting before it takes the folders (`service::wait_for_paths`, `wait_for_gpu`)
+    // answers too: it reads the configuration again.
+    let held = WriterLock::holder_info(state)
+        .or_else(|| crate::waiting::Waiting::read(settings).map(|w| (w.pid, "run".to_string())));
+    let Some((pid, role)) = held else {
         bail!(
             "no running `ailhd run` holds {} (paths.state): nothing to reload",
             state.display()

@@ -105,6 +105,10 @@ pub struct StatusReport {
     /// `I/N` for the outputs of `rebuild --shard I/N` (one part of the tree).
     #[serde(default)]
     pub shard: Option<String>,
+    /// A service started and waiting, before it takes the folders, for something that may pass
+    /// (folders that cannot be used yet, a GPU).
+    #[serde(default)]
+    pub waiting: Option<crate::waiting::Waiting>,
 }
 
 pub fn snapshot_path(settings: &Settings) -> PathBuf {
@@ -114,8 +118,14 @@ pub fn snapshot_path(settings: &Settings) -> PathBuf {
 /// The running service's second copy of its snapshot, in a runtime folder
 /// (`$RUNTIME_DIRECTORY`, which the unit's `RuntimeDirectory=` sets, else `/run/ailhd`): a
 /// tmpfs that stays writable when the state folder's disk fails, so `status` shows a failing
-/// disk live. Named after the state folder, so that several services on a host keep apart.
+/// disk live.
 pub fn runtime_snapshot_path(settings: &Settings) -> PathBuf {
+    runtime_path(settings, "status")
+}
+
+/// `<runtime folder>/<stem>-<key>.json` (see [`runtime_snapshot_path`]): named after the state
+/// folder, so that several services on a host keep apart.
+pub(crate) fn runtime_path(settings: &Settings, stem: &str) -> PathBuf {
     let dir = std::env::var_os("RUNTIME_DIRECTORY")
         .and_then(|d| {
             d.to_string_lossy()
@@ -128,7 +138,7 @@ pub fn runtime_snapshot_path(settings: &Settings) -> PathBuf {
     let state =
         std::path::absolute(&settings.paths.state).unwrap_or_else(|_| settings.paths.state.clone());
     let key = blake3::hash(state.as_os_str().as_encoded_bytes()).to_hex();
-    dir.join(format!("status-{}.json", &key[..16]))
+    dir.join(format!("{stem}-{}.json", &key[..16]))
 }
 
 /// The newest snapshot of the running service (of the state folder's and the runtime copy).
@@ -272,19 +282,28 @@ pub fn load(settings: &Settings) -> anyhow::Result<StatusReport> {
     if let Some(pending) = crate::staging::swap_pending(settings) {
         anyhow::bail!("{pending}; status reports after it");
     }
+    let waiting = crate::waiting::Waiting::read(settings);
     let dir = crate::staging::manifest_dir(settings);
     if !dir.exists() {
-        anyhow::bail!(
-            "no manifest at {}: nothing has been ingested yet (run `ailhd rebuild` or start `ailhd run`)",
-            dir.display()
-        );
+        match &waiting {
+            Some(w) => anyhow::bail!("{}; nothing has been ingested yet", w.describe()),
+            None => anyhow::bail!(
+                "no manifest at {}: nothing has been ingested yet (run `ailhd rebuild` or start `ailhd run`)",
+                dir.display()
+            ),
+        }
     }
-    if let Some(r) = read_stopped(settings) {
-        return Ok(r);
-    }
-    let r = collect_closed(settings)?;
-    // Kept for the next `status` (best effort: who runs `status` may not write the state folder).
-    let _ = save_stopped(settings, &r);
+    let mut r = match read_stopped(settings) {
+        Some(r) => r,
+        None => {
+            let r = collect_closed(settings)?;
+            // Kept for the next `status` (best effort: who runs `status` may not write the
+            // state folder).
+            let _ = save_stopped(settings, &r);
+            r
+        }
+    };
+    r.waiting = waiting;
     Ok(r)
 }
 
@@ -353,6 +372,7 @@ pub fn save_stopped(settings: &Settings, report: &StatusReport) -> std::io::Resu
     let mut report = report.clone();
     report.service = None;
     report.writer = None;
+    report.waiting = None;
     let json = serde_json::to_vec(&StoppedReport { manifest, report })?;
     crate::durable::replace(&stopped_path(settings), &json, crate::durable::Sync::None)
 }
@@ -392,9 +412,14 @@ pub fn render(r: &StatusReport) -> String {
         Some(w) => {
             let _ = writeln!(s, "writer: {w}");
         }
-        None => {
-            let _ = writeln!(s, "writer: none (service not running)");
-        }
+        None => match &r.waiting {
+            Some(w) => {
+                let _ = writeln!(s, "writer: none ({})", w.describe());
+            }
+            None => {
+                let _ = writeln!(s, "writer: none (service not running)");
+            }
+        },
     }
     if let Some(shard) = &r.shard {
         let _ = writeln!(

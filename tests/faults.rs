@@ -990,6 +990,100 @@ fn an_output_file_system_read_only_at_start_is_waited_for() {
     compare_with_rebuild(&world);
 }
 
+/// `ingest.device = "cuda"` where no GPU can be used (this machine, and CI's) is a condition that
+/// may pass (a driver installed later): `run` says so once, to its log, to systemd and to
+/// `status` (`waiting`, kept across its looks), looks again every 10 s in a fresh image of itself
+/// under the same pid, stops cleanly on SIGTERM meanwhile, and starts on the CPU once its
+/// configuration says `device = "cpu"` (read again at a SIGHUP), without a restart.
+#[test]
+#[serial]
+fn a_gpu_that_cannot_be_used_is_waited_for_and_a_new_configuration_heard() {
+    let search = ailhd::features::cuda::LibrarySearch::for_featuriser(&Default::default());
+    if ailhd::features::cuda::probe_with(&search)
+        .problems
+        .is_empty()
+    {
+        eprintln!("skipped: a GPU can be used here, and this test needs a host where none can");
+        return;
+    }
+    let world = World::new(&FAST.replace("device = \"cpu\"", "device = \"cuda\""));
+    add(&world, 0..3);
+    let built = world.run(&["rebuild", "--device", "cpu"]);
+    assert!(built.status.success(), "{built:?}");
+    add(&world, 3..5);
+    let waiting = |svc: &Service| {
+        svc.wait_for("the service waiting for a GPU", || {
+            svc.log().contains("waiting for it")
+        })
+    };
+    let note = |world: &World| {
+        let st = world.status_json();
+        serde_json::from_value::<Option<ailhd::waiting::Waiting>>(st["waiting"].clone()).unwrap()
+    };
+
+    // Stopped while it waits: exit 0, and `status` no longer says it waits.
+    let svc = Service::spawn(&world);
+    waiting(&svc);
+    let w = note(&world).expect("status names the waiting service");
+    assert_eq!(w.pid, svc.pid());
+    assert!(w.reason.starts_with("ingest.device = cuda"), "{w:?}");
+    let text = String::from_utf8_lossy(&world.run(&["status"]).stdout).to_string();
+    assert!(
+        text.contains(&format!("the service (pid {}) has been waiting", svc.pid())),
+        "{text}"
+    );
+    let log = svc.terminate();
+    assert!(log.contains("stopping while waiting for a GPU"), "{log}");
+    assert_eq!(note(&world), None);
+
+    // Left waiting: it looks again in a fresh image (its debug line), warns once, keeps its note.
+    let mut svc = Service::spawn_args(&world, &["--debug", "run"]);
+    waiting(&svc);
+    let first = note(&world).expect("a note");
+    svc.wait_for_within("a second look", Duration::from_secs(30), || {
+        svc.log().contains("still waiting")
+    });
+    assert!(svc.child.try_wait().unwrap().is_none(), "{}", svc.log());
+    assert_eq!(note(&world), Some(first));
+    assert_eq!(svc.log().matches("waiting for it (looked for").count(), 1);
+    assert_eq!(committed(&world.status_json()), 3);
+
+    // `ailhd reload` (systemd's ExecReload) reaches it: a configuration that does not load is
+    // refused and the wait goes on; one that says `device = "cpu"` is taken, and the recordings
+    // waiting with it.
+    let config = std::fs::read_to_string(&world.config).unwrap();
+    let pid = svc.pid().to_string();
+    let reload = |world: &World, device: &str| {
+        let text = config.replace("device = \"cuda\"", &format!("device = \"{device}\""));
+        std::fs::write(&world.config, text).unwrap();
+        world.run(&["reload", "--pid", &pid])
+    };
+    let refused = reload(&world, "gpu");
+    let said = String::from_utf8_lossy(&refused.stderr).to_string();
+    assert_eq!(refused.status.code(), Some(2), "{said}");
+    assert!(said.contains("ingest.device"), "{said}");
+    // A SIGHUP sent some other way meets the same file in the service itself.
+    svc.signal_once_answered(libc::SIGHUP);
+    svc.wait_for("the configuration refused", || {
+        svc.log().contains("the new configuration is refused")
+    });
+    assert!(svc.child.try_wait().unwrap().is_none(), "{}", svc.log());
+    let kept: ailhd::waiting::Waiting =
+        serde_json::from_slice(&std::fs::read(world.state().join("waiting.json")).unwrap())
+            .unwrap();
+    assert_eq!(kept.pid, svc.pid());
+    ok(&reload(&world, "cpu"));
+    let st = svc.wait("the recordings, on the CPU", |s| committed(s) == 5);
+    assert_eq!(st["service"]["pid"].as_u64(), Some(svc.pid() as u64));
+    let log = svc.terminate();
+    assert!(
+        log.contains("ingest.device is no longer cuda: starting"),
+        "{log}"
+    );
+    assert_eq!(note(&world), None);
+    compare_with_rebuild(&world);
+}
+
 /// The kernel's own case of [`an_output_file_system_read_only_at_start_is_waited_for`]: ext4
 /// mounted `errors=remount-ro` stops writing after an error (Linux 6.x says `emergency_ro`
 /// beside `rw`). `run` started then waits without holding a file on the disk, so the operator

@@ -15,7 +15,10 @@ pub mod batch;
 mod shared;
 mod slow;
 mod unreadable;
+mod wait;
 mod worker;
+
+pub use wait::{wait_for_gpu, wait_for_paths};
 
 use self::shared::{Report, Shared, Work};
 use crate::config::Settings;
@@ -69,8 +72,29 @@ pub(crate) fn hold_signals_here(hold: bool) {
     });
 }
 
+/// A process started again in place (`worker::reexec`, `wait_for_gpu`) runs `/proc/self/exe`,
+/// and the kernel names it after that file: `exe` in `ps`, `top` and the journal's `_COMM`. Name
+/// it after the program it was started as (its first argument), as it was before.
+pub fn name_after_program() {
+    let Some(program) = std::env::args_os().next() else {
+        return;
+    };
+    let program = std::path::PathBuf::from(program);
+    let Some(name) = program.file_name() else {
+        return;
+    };
+    // The kernel keeps 15 bytes of a name.
+    let mut name: Vec<u8> = name.as_encoded_bytes().iter().copied().take(15).collect();
+    if name.contains(&0) {
+        return;
+    }
+    name.push(0);
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr()) };
+}
+
 /// The signals the service answers: SIGTERM and SIGINT stop it, SIGHUP reloads.
-const ANSWERED: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
+pub(super) const ANSWERED: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
 
 /// Hold the service's signals from the first moment of `ailhd run` (`main`, right after the
 /// command line is parsed) until [`run`] has its handlers: a `systemctl stop` or `reload` while
@@ -87,7 +111,7 @@ fn signal_mask(how: libc::c_int) {
 }
 
 /// The signals the service answers ([`ANSWERED`]), as a signal set.
-fn answered_set() -> libc::sigset_t {
+pub(super) fn answered_set() -> libc::sigset_t {
     // SAFETY: a local signal set, initialised by sigemptyset before it is added to.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -97,81 +121,6 @@ fn answered_set() -> libc::sigset_t {
         }
         set
     }
-}
-
-/// How often [`wait_for_paths`] checks the folders again.
-const PATHS_RECHECK: Duration = Duration::from_secs(5);
-
-/// `run`'s check of its folders ([`Settings::check_paths_for_run`]), waiting while one cannot
-/// be used for a reason that may pass (a file system read-only after disk errors, an I/O
-/// error): said once in the log and to systemd (ready, with the reason as its status line, and
-/// the watchdog fed), checked again every [`PATHS_RECHECK`], and gone on from as soon as the
-/// folders can be used, without a restart. A configuration error is returned (exit 2). Returns
-/// false when a SIGTERM or SIGINT came meanwhile: the service stops there (exit 0). Called with
-/// the service's signals held ([`hold_signals`]).
-pub fn wait_for_paths(settings: &Settings) -> anyhow::Result<bool> {
-    use crate::config::PathsError;
-    let mut waiting = false;
-    loop {
-        let why = match settings.check_paths_for_run() {
-            Ok(()) => {
-                if waiting {
-                    log::warn!("the folders can be used now: starting");
-                }
-                return Ok(true);
-            }
-            Err(PathsError::Unavailable(why)) => why,
-            Err(e) => return Err(e.into()),
-        };
-        if !waiting {
-            log::warn!(
-                "{why}: waiting for it (checked again every {} s)",
-                PATHS_RECHECK.as_secs()
-            );
-            let status = format!("waiting: {why}");
-            let _ = sd_notify::notify(&[NotifyState::Ready, NotifyState::Status(&status)]);
-            catch_held_signals();
-            waiting = true;
-        }
-        let _ = sd_notify::notify(&[NotifyState::Watchdog]);
-        match held_signal_within(PATHS_RECHECK) {
-            Some(libc::SIGHUP) => {
-                log::info!(
-                    "SIGHUP while waiting for the folders: nothing to reload yet (the configuration read at the start stays in force)"
-                )
-            }
-            Some(_) => {
-                log::info!("stopping while waiting for the folders");
-                return Ok(false);
-            }
-            None => {}
-        }
-    }
-}
-
-/// A handler that does nothing for each held signal ([`ANSWERED`]): they stay held and are taken
-/// by [`held_signal_within`] (or, once the service runs, by its own handlers, which replace
-/// these), but the process shows that it answers them (`SigCgt`), which `sigtimedwait` alone
-/// does not while it waits.
-fn catch_held_signals() {
-    extern "C" fn nothing(_: libc::c_int) {}
-    for s in ANSWERED {
-        // SAFETY: a handler that touches nothing, for signals this thread holds.
-        unsafe { libc::signal(s, nothing as *const () as libc::sighandler_t) };
-    }
-}
-
-/// The first of the held signals ([`ANSWERED`]) that comes within `limit`, taken.
-fn held_signal_within(limit: Duration) -> Option<libc::c_int> {
-    let set = answered_set();
-    let timeout = libc::timespec {
-        tv_sec: limit.as_secs() as libc::time_t,
-        tv_nsec: limit.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: an initialised signal set and timeout; the signals are blocked in this thread
-    // (hold_signals), as sigtimedwait requires.
-    let sig = unsafe { libc::sigtimedwait(&set, std::ptr::null_mut(), &timeout) };
-    (sig > 0).then_some(sig)
 }
 
 /// Entry point of `ailhd run`: a runtime, the service, and the process signals as shutdown.

@@ -72,7 +72,7 @@ fn reexec(why: &str) -> bool {
 /// execv of this program with its own arguments and environment: not `Command::exec`, which
 /// empties the signal mask before `execve`, so that a stop signal held pending would be handled
 /// by this image, which is going, instead of the fresh one. Returns only on failure.
-fn exec_self() -> std::io::Error {
+pub(super) fn exec_self() -> std::io::Error {
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
     let args: Vec<CString> = match std::env::args_os()

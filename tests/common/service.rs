@@ -36,6 +36,11 @@ impl Service {
         Service::spawn_cmd(world, world.cmd(&["--verbose", "run"]))
     }
 
+    /// Start `ailhd <args>` (`["--debug", "run"]`, say) without waiting for anything.
+    pub fn spawn_args(world: &World, args: &[&str]) -> Service {
+        Service::spawn_cmd(world, world.cmd(args))
+    }
+
     /// Start `run` with fail points (`FAILPOINTS`, see the `failpoints` feature in Cargo.toml:
     /// the binary `cargo test` builds has them), and wait until it is up.
     pub fn start_failing(world: &World, failpoints: &str) -> Service {
