@@ -1044,6 +1044,9 @@ fn a_gpu_that_cannot_be_used_is_waited_for_and_a_new_configuration_heard() {
         svc.log().contains("still waiting")
     });
     assert!(svc.child.try_wait().unwrap().is_none(), "{}", svc.log());
+    // Named as it was started (the kernel names an exec of /proc/self/exe `exe`).
+    let comm = std::fs::read_to_string(format!("/proc/{}/comm", svc.pid())).unwrap();
+    assert_eq!(comm.trim_end(), "ailhd");
     assert_eq!(note(&world), Some(first));
     assert_eq!(svc.log().matches("waiting for it (looked for").count(), 1);
     assert_eq!(committed(&world.status_json()), 3);
