@@ -69,7 +69,7 @@ impl Waiting {
         })
     }
 
-    /// "the service (pid N) has been waiting for 12 s: <reason>"
+    /// `the service (pid N) has been waiting for 12 s: <reason>`
     pub fn describe(&self) -> String {
         let waited_ms = (crate::engine::manifest::now_ms() - self.since_ms).max(0);
         format!(

@@ -963,8 +963,19 @@ fn an_output_file_system_read_only_at_start_is_waited_for() {
 
     let mut svc = Service::spawn(&world);
     waiting(&svc);
+    // `ailhd reload` reaches the waiting service: the configuration is read again, and it
+    // starts afresh with it under the same pid, waiting on.
+    let reloaded = ok(&world.run(&["reload", "--pid", &svc.pid().to_string()]));
+    assert!(
+        reloaded.contains("read again while waiting for the folders"),
+        "{reloaded}"
+    );
     std::thread::sleep(Duration::from_secs(6));
     assert!(svc.child.try_wait().unwrap().is_none(), "{}", svc.log());
+    assert_eq!(
+        svc.log().matches("waiting for it (checked again").count(),
+        2
+    );
     mount(&["-o", "remount,rw"], &out);
     svc.wait("the recordings, once writable", |s| committed(s) == 3);
     let log = svc.terminate();
