@@ -246,10 +246,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             // Tests hold the start here to signal it while it configures (tests/daemon.rs).
             fail::fail_point!("run-configure");
             let s = load_settings(&cli)?;
-            let config = cli.config.as_deref();
-            if !ailhd::service::wait_for_paths(&s, config)?
-                || !ailhd::service::wait_for_gpu(&s, config)?
-            {
+            if !ailhd::service::wait_until_startable(&s, cli.config.as_deref())? {
                 return Ok(());
             }
             ailhd::service::run(s, cli.config.clone())

@@ -1001,6 +1001,38 @@ fn an_output_file_system_read_only_at_start_is_waited_for() {
     compare_with_rebuild(&world);
 }
 
+/// A reload that names an output folder that can be used ends a wait for a read-only one: the
+/// fresh image starts at once under the same pid, and no note of the wait is left for `status`.
+#[test]
+#[serial]
+fn a_reload_naming_a_usable_folder_ends_the_wait() {
+    let world = World::new(FAST);
+    add(&world, 0..2);
+    let out = world.out();
+    let _tmpfs = Tmpfs::mount(&out, "64m");
+    mount(&["-o", "remount,ro"], &out);
+    let svc = Service::spawn(&world);
+    svc.wait_for("the service waiting for the output folder", || {
+        svc.log().contains("waiting for it")
+    });
+    let note = world.state().join("waiting.json");
+    assert!(note.exists());
+    let config = std::fs::read_to_string(&world.config).unwrap();
+    let other = world.dir.path().join("out-elsewhere");
+    std::fs::write(
+        &world.config,
+        config.replace(&format!("{out:?}"), &format!("{other:?}")),
+    )
+    .unwrap();
+    ok(&world.run(&["reload", "--pid", &svc.pid().to_string()]));
+    let st = svc.wait("the recordings, in the other folder", |s| committed(s) == 2);
+    assert_eq!(st["service"]["pid"].as_u64(), Some(svc.pid() as u64));
+    assert!(!note.exists(), "{}", svc.log());
+    let waiting = world.status_json()["waiting"].clone();
+    assert!(waiting.is_null(), "{waiting}");
+    svc.terminate();
+}
+
 /// `ingest.device = "cuda"` where no GPU can be used (this machine, and CI's) is a condition that
 /// may pass (a driver installed later): `run` says so once, to its log, to systemd and to
 /// `status` (`waiting`, kept across its looks), looks again every 10 s in a fresh image of itself

@@ -18,7 +18,7 @@ mod unreadable;
 mod wait;
 mod worker;
 
-pub use wait::{wait_for_gpu, wait_for_paths};
+pub use wait::{wait_for_gpu, wait_for_paths, wait_until_startable};
 
 use self::shared::{Report, Shared, Work};
 use crate::config::Settings;

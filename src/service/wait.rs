@@ -17,6 +17,17 @@ use sd_notify::NotifyState;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+/// [`wait_for_paths`], then [`wait_for_gpu`]: true once the service can start, with no note of
+/// a wait left behind (the fresh image a reload starts may find at once what its predecessor
+/// waited for, under other folders even); false when a stop came meanwhile.
+pub fn wait_until_startable(settings: &Settings, config: Option<&Path>) -> anyhow::Result<bool> {
+    if !wait_for_paths(settings, config)? || !wait_for_gpu(settings, config)? {
+        return Ok(false);
+    }
+    Waiting::clear(settings);
+    Ok(true)
+}
+
 /// How often [`wait_for_paths`] checks the folders again.
 const PATHS_RECHECK: Duration = Duration::from_secs(5);
 
@@ -40,7 +51,6 @@ pub fn wait_for_paths(settings: &Settings, config: Option<&Path>) -> anyhow::Res
         let why = match settings.check_paths_for_run() {
             Ok(()) => {
                 if waiting {
-                    Waiting::clear(settings);
                     log::warn!("the folders can be used now: starting");
                 }
                 return Ok(true);
@@ -86,7 +96,6 @@ pub fn wait_for_gpu(settings: &Settings, config: Option<&Path>) -> anyhow::Resul
     };
     if problems.is_empty() {
         if before.is_some() {
-            Waiting::clear(settings);
             match cuda {
                 true => log::warn!("a GPU can be used now: starting"),
                 false => log::warn!("ingest.device is no longer cuda: starting"),
@@ -173,6 +182,9 @@ fn pause(settings: &Settings, config: Option<&Path>, limit: Duration, what: &str
                         true,
                         &format!("read again while waiting for {what}: the service starts with it"),
                     );
+                    // The new configuration may name another state folder: the fresh image
+                    // notes its own wait, if it waits.
+                    Waiting::clear(settings);
                     return Pause::Reread;
                 }
                 Err(e) => {
