@@ -15,8 +15,13 @@
 //! without computing them (this file's [`PassThrough`]; no user option). It takes turns with
 //! the real CPU rebuild three times and prints `ceiling: N files/s`, the stage table of the
 //! median run, how busy each stage was, and the rate the measured per-stage costs predict for
-//! 4, 8 and 16 cores with the stage that would cap it. Run it under `taskset -c 0-3` etc. to
-//! measure core scaling (the engine sizes its threads from the cores it may use).
+//! 4, 8 and 16 cores with the stage that would cap it. The stage timers are wall time on
+//! threads that share the cores, so that prediction counts what a stage waited for other
+//! threads as its own cost (a pessimistic bound); the CPU each group of threads spent during
+//! the ingest, sampled from the kernel's accounting every 5 ms (`common::threads`), gives a
+//! second prediction that counts no waiting at all, not even for the disk (an optimistic one).
+//! Run it under `taskset -c 0-3` etc. to measure core scaling (the engine sizes its threads
+//! from the cores it may use).
 //!
 //! `-- --processes [N]` times what a user waits for: the release `ailhd rebuild --device cpu`
 //! and the numpy + h5py baseline as whole processes (exec to exit, Python's imports included),
@@ -390,18 +395,18 @@ fn ceiling(s: &Settings, ui: &Ui) {
     let (mut fast, mut real) = (Vec::new(), Vec::new());
     for round in 1..=3 {
         warm_cache(&s.paths.recordings);
-        let r = through(s);
+        let r = sampled(|| through(s));
         print!(
             "round {round}: pass-through {:>7.0} files/s",
-            r.files_per_sec()
+            r.0.files_per_sec()
         );
         fast.push(r);
         warm_cache(&s.paths.recordings);
-        let r = rebuild(s, DeviceChoice::Cpu, ui).unwrap();
-        println!("   real cpu {:>7.0} files/s", r.files_per_sec());
+        let r = sampled(|| rebuild(s, DeviceChoice::Cpu, ui).unwrap());
+        println!("   real cpu {:>7.0} files/s", r.0.files_per_sec());
         real.push(r);
     }
-    let (r, cpu_run) = (median_run(fast), median_run(real));
+    let ((r, groups), (cpu_run, cpu_groups)) = (median_sampled(fast), median_sampled(real));
     println!("ceiling: {:.0} files/s", r.files_per_sec());
     println!(
         "  real cpu rebuild, same tree: {:.0} files/s (median of 3)",
@@ -467,14 +472,120 @@ fn ceiling(s: &Settings, ui: &Ui) {
             ("commit (write)", 1.0 / write),
             ("manifest", 1.0 / manifest),
         ];
-        let (what, cap) = caps
+        print_prediction(cores, &caps, files, fixed);
+    }
+    thread_cpu(&r, &groups, &cpu_run, &cpu_groups, threads, decide, fixed);
+}
+
+/// One line of a prediction: the lowest of `caps` (files/s during ingest) and the whole run's
+/// rate with the fixed phases as measured.
+fn print_prediction(cores: usize, caps: &[(&str, f64)], files: f64, fixed: f64) {
+    let (what, cap) = caps
+        .iter()
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .copied()
+        .unwrap();
+    let whole = files / (fixed + files / cap);
+    println!(
+        "    {cores:>2} cores: ingest {cap:>7.0} files/s, capped by {what}; whole run {whole:>7.0} files/s"
+    );
+}
+
+/// `run` with every thread's CPU sampled: the report, and each group of threads' CPU and
+/// waiting during the run's ingest phase.
+fn sampled(run: impl FnOnce() -> RebuildReport) -> (RebuildReport, Vec<common::threads::Group>) {
+    let sampler = common::threads::Sampler::start(std::time::Duration::from_millis(5));
+    let started = Instant::now();
+    let r = run();
+    let samples = sampler.stop();
+    let phase = |name: &str| {
+        r.phases
             .iter()
-            .min_by(|a, b| a.1.total_cmp(&b.1))
-            .copied()
-            .unwrap();
-        let whole = files / (fixed + files / cap);
+            .find(|(p, _)| *p == name)
+            .map_or(0.0, |(_, s)| *s)
+    };
+    let from = samples.since_start(started) + phase("start");
+    let groups = samples.between(from, from + phase("ingest"));
+    (r, groups)
+}
+
+fn median_sampled(
+    mut runs: Vec<(RebuildReport, Vec<common::threads::Group>)>,
+) -> (RebuildReport, Vec<common::threads::Group>) {
+    runs.sort_by_key(|r| r.0.elapsed);
+    runs.swap_remove(runs.len() / 2)
+}
+
+/// What each group of threads cost in CPU during the ingest (sampled from the kernel's
+/// accounting, not the stage timers, whose wall time includes waiting for the other threads
+/// on the same cores), and the prediction from those costs: a stage on one thread caps the
+/// rate at one over its CPU a file, a pool at its threads over its CPU a file, and everything
+/// together at the cores over the whole CPU a file. It leaves out what a stage waits for the
+/// disk, so it is the optimistic bound where the prediction above is the pessimistic one.
+fn thread_cpu(
+    r: &RebuildReport,
+    groups: &[common::threads::Group],
+    cpu_run: &RebuildReport,
+    cpu_groups: &[common::threads::Group],
+    cores_here: usize,
+    decide: f64,
+    fixed: f64,
+) {
+    let files = r.files as f64;
+    println!("  CPU a file by thread during ingest (us on a CPU / us runnable and waiting for one (threads); pass-through | real cpu):");
+    let real: std::collections::HashMap<&str, &common::threads::Group> =
+        cpu_groups.iter().map(|g| (g.name.as_str(), g)).collect();
+    let mut names: Vec<&str> = groups.iter().map(|g| g.name.as_str()).collect();
+    names.extend(
+        cpu_groups
+            .iter()
+            .map(|g| g.name.as_str())
+            .filter(|n| !groups.iter().any(|g| g.name == *n)),
+    );
+    let us = |g: Option<&common::threads::Group>, n: f64| {
+        g.map_or("-".to_string(), |g| {
+            format!(
+                "{:.1} / {:.1} ({})",
+                g.cpu * 1e6 / n,
+                g.waiting * 1e6 / n,
+                g.threads
+            )
+        })
+    };
+    for name in names {
+        let here = groups.iter().find(|g| g.name == name);
         println!(
-            "    {cores:>2} cores: ingest {cap:>7.0} files/s, capped by {what}; whole run {whole:>7.0} files/s"
+            "    {name:<16} {:>20} | {:>20}",
+            us(here, files),
+            us(real.get(name).copied(), cpu_run.files as f64)
         );
+    }
+    let cpu = |name: &str| {
+        groups
+            .iter()
+            .find(|g| g.name == name)
+            .map_or(0.0, |g| g.cpu / files)
+    };
+    let total: f64 = groups.iter().map(|g| g.cpu).sum::<f64>() / files;
+    let io_threads = ailhd::output::set::io_pool().current_num_threads();
+    println!(
+        "  predicted with a GPU featuriser from the CPU a file above (no waiting for the disk), {} files:",
+        r.files
+    );
+    for cores in [cores_here, 4, 8, 16] {
+        let manifest_threads = cores.clamp(1, 8) as f64;
+        let caps = [
+            ("all threads' CPU", cores as f64 / total),
+            ("load (read+hash+decode)", cores as f64 / cpu("ailhd-load")),
+            ("decide", 1.0 / decide),
+            ("featurise hand-off", 1.0 / cpu("ailhd-featurise")),
+            ("commit thread", 1.0 / cpu("ailhd-commit")),
+            (
+                "output threads",
+                io_threads.min(cores) as f64 / cpu("ailhd-io"),
+            ),
+            ("manifest threads", manifest_threads / cpu("ailhd-manifest")),
+        ];
+        print_prediction(cores, &caps, files, fixed);
     }
 }

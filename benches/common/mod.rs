@@ -3,6 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod threads;
+
 /// Write `DIR/ailhd.toml` for a tree at `DIR/rec` with outputs in `DIR/out` and state in
 /// `DIR/state`, featurising on the CPU, with no periodic rescan; returns its path.
 pub fn write_config(dir: &Path) -> PathBuf {
