@@ -58,6 +58,21 @@ pub struct ServiceStatus {
     /// rescanned meanwhile.
     #[serde(default)]
     pub unwatched: Vec<Unwatched>,
+    /// Set while the service compares the tree with the manifest (at its start, in a rescan,
+    /// in the recovery after a failure): what that finds is counted in `queue_depth` only once
+    /// handed on, so the service has caught up with the tree when this is None and the queue
+    /// is empty.
+    #[serde(default)]
+    pub comparing: Option<Comparing>,
+}
+
+/// A comparison of the tree with the manifest under way.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Comparing {
+    /// Unix milliseconds when it began.
+    pub since_ms: i64,
+    /// `start`, `rescan` or `recovery`.
+    pub why: String,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -465,6 +480,14 @@ fn render_service(s: &mut String, svc: &ServiceStatus) {
         );
     } else if !svc.outputs_open {
         let _ = writeln!(s, "outputs: closed while idle (plain readers open them)");
+    }
+    if let Some(c) = &svc.comparing {
+        let _ = writeln!(
+            s,
+            "comparing the tree with the manifest ({}) for {:.1} s: what it finds is not in the queue yet",
+            c.why,
+            (crate::engine::manifest::now_ms() - c.since_ms).max(0) as f64 / 1e3
+        );
     }
     for u in &svc.unwatched {
         let _ = writeln!(

@@ -148,6 +148,9 @@ pub struct Engine {
     writing: Option<JoinHandle<anyhow::Result<Committer>>>,
     /// Batches submitted and not yet reported done.
     in_flight: usize,
+    /// The files of each of those batches, oldest first (their results come back in order);
+    /// removals not counted.
+    files_in_flight: std::collections::VecDeque<usize>,
     /// Which files are being read, for the next start if this process dies.
     journal: Arc<inflight::Journal>,
     /// Large files, loaded apart from the batches.
@@ -391,6 +394,7 @@ impl Engine {
             featurising: Some(featurising),
             writing: Some(writing),
             in_flight: 0,
+            files_in_flight: Default::default(),
             journal,
             lane,
         }
@@ -421,6 +425,18 @@ impl Engine {
     /// lane): what the service's batching policy waits for.
     pub fn batches_in_flight(&self) -> usize {
         self.in_flight
+    }
+
+    /// Files handed to the engine and not yet committed: those of the batches in flight (not
+    /// counting removals) and large files still loading on their own.
+    pub fn files_in_flight(&self) -> usize {
+        self.files_in_flight.iter().sum::<usize>() + self.lane.pending()
+    }
+
+    /// One batch's result came back (results come in the order the batches went).
+    fn batch_done(&mut self) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.files_in_flight.pop_front();
     }
 
     /// Settings that may change while running (SIGHUP); the rest need a restart.
@@ -601,6 +617,10 @@ impl Engine {
         taken: Option<Instant>,
     ) -> anyhow::Result<()> {
         let t = Instant::now();
+        let files = observations
+            .iter()
+            .filter(|o| !matches!(o, Observation::Gone(_) | Observation::FolderGone(_)))
+            .count();
         let mut plan = self.ledger.decide(&*self.manifest, observations)?;
         StageTimes::add(&self.times.decide, t);
         plan.trace.taken = taken;
@@ -613,6 +633,7 @@ impl Engine {
             return Err(self.stopped());
         }
         self.in_flight += 1;
+        self.files_in_flight.push_back(files);
         Ok(())
     }
 
@@ -650,7 +671,7 @@ impl Engine {
         self.dispatch_lane(None)?;
         let mut out = Vec::new();
         while let Ok(r) = self.done.try_recv() {
-            self.in_flight -= 1;
+            self.batch_done();
             out.push(r?);
         }
         Ok(out)
@@ -669,7 +690,7 @@ impl Engine {
             crossbeam_channel::select! {
                 recv(done) -> r => match r {
                     Ok(r) => {
-                        self.in_flight -= 1;
+                        self.batch_done();
                         out.push(r?);
                     }
                     Err(_) => return Err(self.stopped()),
@@ -692,7 +713,7 @@ impl Engine {
     /// abandons the engine and rescans, which finds what those results would have asked for).
     fn stopped(&mut self) -> anyhow::Error {
         while let Ok(r) = self.done.recv() {
-            self.in_flight = self.in_flight.saturating_sub(1);
+            self.batch_done();
             if let Err(e) = r {
                 return e.context("the engine stopped");
             }

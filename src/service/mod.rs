@@ -540,6 +540,16 @@ impl EventLoop {
                     self.observe(o);
                 }
             }
+            Report::Compared(number) => {
+                // All it found is in the settle stage now: counted in the queue before the
+                // comparison stops being reported, and a new snapshot written (the worker
+                // writes one when the pending list's version moves).
+                self.shared
+                    .settling
+                    .store(self.settler.len(), Ordering::Relaxed);
+                self.shared.compared(number);
+                self.shared.pending_version.fetch_add(1, Ordering::Relaxed);
+            }
             Report::Batch(done) => {
                 self.ingested += (done.counts.new_rows + done.counts.attached) as u64;
                 for rel in done.reread {
@@ -667,7 +677,7 @@ impl EventLoop {
             *shared.unwatched.lock().unwrap_or_else(|e| e.into_inner()) = unwatched;
             self.unwatched_listed = Instant::now();
         }
-        let queue = self.settler.len() + shared.queued.load(Ordering::Relaxed);
+        let queue = self.settler.len() + shared.complete_uncommitted();
         let (ingested, device) = (self.ingested, &self.device);
         let text = match &*shared.fault.lock().unwrap_or_else(|p| p.into_inner()) {
             Some(e) => format!("WRITING FAILS, retrying: {e}; queue {queue}, ingested {ingested}"),

@@ -20,6 +20,8 @@ pub(super) enum Work {
 /// What the worker tells the event loop.
 pub(super) enum Report {
     Reconciled(Reconciliation),
+    /// The comparison of this number has handed on all it found (sent after its last part).
+    Compared(u64),
     Batch(Done),
 }
 
@@ -28,10 +30,12 @@ pub(super) enum Report {
 pub(super) struct Shared {
     /// Files touched and not yet complete (the settle stage), for the queue depth.
     pub(super) settling: AtomicUsize,
-    /// Complete files waiting for the worker.
+    /// Complete files waiting for the worker (then counted in `in_flight_files`).
     pub(super) queued: AtomicUsize,
     /// Batches the worker has handed to the engine and not seen done yet.
     pub(super) in_flight: AtomicUsize,
+    /// The files of those batches (and large files still loading): complete, not yet committed.
+    pub(super) in_flight_files: AtomicUsize,
     /// When a recording was last closed after writing or moved into place ([`mono_us`]; 0:
     /// none yet): it goes on at once, but is counted as queued only once probed.
     pub(super) arrived_us: AtomicU64,
@@ -46,6 +50,20 @@ pub(super) struct Shared {
     pub(super) fault: Mutex<Option<String>>,
     /// Folders the watcher could not watch (limits), with why.
     pub(super) unwatched: Mutex<Vec<(PathBuf, String)>>,
+    /// The comparison of the tree with the manifest under way, until the event loop has taken
+    /// all it found (then counted in `settling`): set by the worker as it starts one, cleared
+    /// by the event loop at its [`Report::Compared`].
+    pub(super) comparing: Mutex<Option<Comparing>>,
+}
+
+/// A comparison of the tree with the manifest under way (see [`Shared::comparing`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Comparing {
+    /// Its number in this process (a later one may start before an earlier one's end is seen).
+    pub(super) number: u64,
+    pub(super) since_ms: i64,
+    /// `start`, `rescan` or `recovery`.
+    pub(super) why: &'static str,
 }
 
 /// How long after a recording arrived (closed after writing, moved in) a rescan still gives
@@ -60,6 +78,24 @@ impl Shared {
         self.queued.load(Ordering::Relaxed) > 0
             || self.in_flight.load(Ordering::Relaxed) > 0
             || (arrived > 0 && mono_us().saturating_sub(arrived) < ARRIVING.as_micros() as u64)
+    }
+
+    /// A comparison under way, if any.
+    pub(super) fn comparing(&self) -> Option<Comparing> {
+        *self.comparing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The comparison `number` has handed on all it found (a later one, begun meanwhile, stays).
+    pub(super) fn compared(&self, number: u64) {
+        let mut c = self.comparing.lock().unwrap_or_else(|e| e.into_inner());
+        if c.is_some_and(|c| c.number == number) {
+            *c = None;
+        }
+    }
+
+    /// Files complete and not yet committed: waiting for the worker, or in the engine.
+    pub(super) fn complete_uncommitted(&self) -> usize {
+        self.queued.load(Ordering::Relaxed) + self.in_flight_files.load(Ordering::Relaxed)
     }
 
     pub(super) fn arrived(&self) {

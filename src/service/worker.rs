@@ -110,6 +110,8 @@ fn disk_answers(settings: &Settings) -> bool {
 pub(super) struct Rescan {
     handle: std::thread::JoinHandle<RescanEnd>,
     gate: Arc<crate::pace::Gate>,
+    /// Its number ([`super::shared::Comparing`]).
+    number: u64,
 }
 
 /// A comparison that failed (not one called off). A recovery's own failure is a failure of
@@ -176,6 +178,8 @@ pub(super) struct Worker {
     pub(super) listed: Option<crate::source::Listing>,
     /// The next rescan is the start's (see [`crate::engine::reconcile_with`]).
     pub(super) start: bool,
+    /// Comparisons of the tree with the manifest started so far (each one's number).
+    pub(super) comparisons: u64,
     pub(super) slow: super::slow::SlowBatches,
     /// The state folder the service started with (device, inode), and when it was last looked
     /// at: one removed or replaced while the service runs (its manifest and writer locks gone
@@ -363,6 +367,8 @@ impl Worker {
             crate::pace::Gate::new(move || shared.busy())
         };
         let kept = gate.clone();
+        self.comparisons += 1;
+        let number = self.comparisons;
         let spawned = std::thread::Builder::new()
             .name("ailhd-rescan".into())
             .spawn(move || {
@@ -413,12 +419,36 @@ impl Worker {
                         Some(RescanFailed { error: e, recovery })
                     }
                 };
+                // After its last part: `status` reports the comparison until the event loop
+                // has taken all it found.
+                let _ = report.send(Report::Compared(number));
                 // The listing of the whole tree is freed: give its pages back.
                 crate::memory::release_free_memory();
                 RescanEnd { failed, unlisted }
             });
         match spawned {
-            Ok(handle) => self.reconciling = Some(Rescan { handle, gate: kept }),
+            Ok(handle) => {
+                let why = match (start, recovery) {
+                    (_, true) => "recovery",
+                    (true, false) => "start",
+                    (false, false) => "rescan",
+                };
+                *self
+                    .shared
+                    .comparing
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(super::shared::Comparing {
+                    number,
+                    since_ms: now_ms(),
+                    why,
+                });
+                self.dirty = true;
+                self.reconciling = Some(Rescan {
+                    handle,
+                    gate: kept,
+                    number,
+                })
+            }
             Err(e) if recovery => self.fail(anyhow::anyhow!(
                 "cannot start the thread that compares the tree with the manifest: {e}"
             )),
@@ -445,6 +475,9 @@ impl Worker {
         }
         let r = self.reconciling.take().expect("checked above");
         let Ok(end) = r.handle.join() else {
+            // It panicked before it could say it ended: `status` stops reporting it.
+            self.shared.compared(r.number);
+            self.dirty = true;
             return;
         };
         for (folder, why) in end.unlisted {
@@ -542,6 +575,15 @@ impl Worker {
         self.dirty = true;
     }
 
+    /// What the engine holds, for `status` and the rescan's pace ([`Shared::busy`]).
+    fn count_in_flight(&self) {
+        self.shared
+            .in_flight
+            .store(self.in_flight(), Ordering::Relaxed);
+        let files = self.engine.as_ref().map_or(0, |e| e.files_in_flight());
+        self.shared.in_flight_files.store(files, Ordering::Relaxed);
+    }
+
     fn in_flight(&self) -> usize {
         self.engine.as_ref().map_or(0, |e| e.in_flight())
     }
@@ -596,6 +638,7 @@ impl Worker {
             closed_stages: Vec::new(),
             snapshot_failing: false,
             reconciling: None,
+            comparisons: 0,
             recovering: false,
             rescan_again: false,
             last_probe: Instant::now(),
@@ -634,9 +677,7 @@ impl Worker {
         self.shared.alive_ms.store(now_ms(), Ordering::Relaxed);
         self.take_completed();
         self.reap_reconcile();
-        self.shared
-            .in_flight
-            .store(self.in_flight(), Ordering::Relaxed);
+        self.count_in_flight();
         if self.rescan_again && self.fault.is_none() && !self.rescanning() {
             self.start_reconcile();
         }
@@ -719,9 +760,7 @@ impl Worker {
             self.dropped += n_ops;
             self.fail(e);
         }
-        self.shared
-            .in_flight
-            .store(self.in_flight(), Ordering::Relaxed);
+        self.count_in_flight();
         self.dirty = true;
     }
 
@@ -924,7 +963,7 @@ impl Worker {
         crate::metrics::record_status(&r, &self.labels);
         let shared = &self.shared;
         self.pending_seen = shared.pending_version.load(Ordering::Relaxed);
-        let queue = shared.settling.load(Ordering::Relaxed) + shared.queued.load(Ordering::Relaxed);
+        let queue = shared.settling.load(Ordering::Relaxed) + shared.complete_uncommitted();
         crate::metrics::pending(shared.settling.load(Ordering::Relaxed));
         crate::metrics::queue_depth(queue);
         crate::metrics::ready();
@@ -955,6 +994,10 @@ impl Worker {
                     reason: r.clone(),
                 })
                 .collect(),
+            comparing: shared.comparing().map(|c| status::Comparing {
+                since_ms: c.since_ms,
+                why: c.why.to_string(),
+            }),
             write_failing: self.fault.as_ref().map(|f| status::WriteFailing {
                 since_ms: f.since_ms,
                 error: f.error.clone(),
