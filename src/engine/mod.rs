@@ -146,11 +146,9 @@ pub struct Engine {
     done: Receiver<anyhow::Result<Done>>,
     featurising: Option<JoinHandle<featurise::Stopped>>,
     writing: Option<JoinHandle<anyhow::Result<Committer>>>,
-    /// Batches submitted and not yet reported done.
-    in_flight: usize,
-    /// The files of each of those batches, oldest first (their results come back in order);
-    /// removals not counted.
-    files_in_flight: std::collections::VecDeque<usize>,
+    /// Batches submitted and not yet reported done, oldest first (their results come back in
+    /// order): the files of each, removals not counted.
+    in_flight: std::collections::VecDeque<usize>,
     /// Which files are being read, for the next start if this process dies.
     journal: Arc<inflight::Journal>,
     /// Large files, loaded apart from the batches.
@@ -393,8 +391,7 @@ impl Engine {
             done: done_rx,
             featurising: Some(featurising),
             writing: Some(writing),
-            in_flight: 0,
-            files_in_flight: Default::default(),
+            in_flight: Default::default(),
             journal,
             lane,
         }
@@ -418,25 +415,24 @@ impl Engine {
 
     /// Batches submitted and not yet reported done, and large files still loading.
     pub fn in_flight(&self) -> usize {
-        self.in_flight + self.lane.pending()
+        self.in_flight.len() + self.lane.pending()
     }
 
     /// Batches submitted and not yet durable (not counting large files still loading on the
     /// lane): what the service's batching policy waits for.
     pub fn batches_in_flight(&self) -> usize {
-        self.in_flight
+        self.in_flight.len()
     }
 
     /// Files handed to the engine and not yet committed: those of the batches in flight (not
     /// counting removals) and large files still loading on their own.
     pub fn files_in_flight(&self) -> usize {
-        self.files_in_flight.iter().sum::<usize>() + self.lane.pending()
+        self.in_flight.iter().sum::<usize>() + self.lane.pending()
     }
 
     /// One batch's result came back (results come in the order the batches went).
     fn batch_done(&mut self) {
-        self.in_flight = self.in_flight.saturating_sub(1);
-        self.files_in_flight.pop_front();
+        self.in_flight.pop_front();
     }
 
     /// Settings that may change while running (SIGHUP); the rest need a restart.
@@ -632,8 +628,7 @@ impl Engine {
         if tx.send(plan).is_err() {
             return Err(self.stopped());
         }
-        self.in_flight += 1;
-        self.files_in_flight.push_back(files);
+        self.in_flight.push_back(files);
         Ok(())
     }
 
@@ -682,7 +677,7 @@ impl Engine {
         let mut out = Vec::new();
         loop {
             self.dispatch_lane(None)?;
-            if self.in_flight == 0 && self.lane.pending() == 0 {
+            if self.in_flight.is_empty() && self.lane.pending() == 0 {
                 return Ok(out);
             }
             let lane = self.lane.results().clone();

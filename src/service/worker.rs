@@ -369,6 +369,23 @@ impl Worker {
         let kept = gate.clone();
         self.comparisons += 1;
         let number = self.comparisons;
+        let why = match (start, recovery) {
+            (_, true) => "recovery",
+            (true, false) => "start",
+            (false, false) => "rescan",
+        };
+        // Noted before the thread starts: its end (`Report::Compared`) may reach the event
+        // loop before this thread runs again, and must find the note to clear.
+        *self
+            .shared
+            .comparing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(super::shared::Comparing {
+            number,
+            since_ms: now_ms(),
+            why,
+        });
+        self.dirty = true;
         let spawned = std::thread::Builder::new()
             .name("ailhd-rescan".into())
             .spawn(move || {
@@ -428,31 +445,22 @@ impl Worker {
             });
         match spawned {
             Ok(handle) => {
-                let why = match (start, recovery) {
-                    (_, true) => "recovery",
-                    (true, false) => "start",
-                    (false, false) => "rescan",
-                };
-                *self
-                    .shared
-                    .comparing
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner()) = Some(super::shared::Comparing {
-                    number,
-                    since_ms: now_ms(),
-                    why,
-                });
-                self.dirty = true;
                 self.reconciling = Some(Rescan {
                     handle,
                     gate: kept,
                     number,
                 })
             }
-            Err(e) if recovery => self.fail(anyhow::anyhow!(
-                "cannot start the thread that compares the tree with the manifest: {e}"
-            )),
-            Err(e) => log::error!("rescan failed: cannot start its thread: {e}"),
+            Err(e) => {
+                self.shared.compared(number);
+                if recovery {
+                    self.fail(anyhow::anyhow!(
+                        "cannot start the thread that compares the tree with the manifest: {e}"
+                    ))
+                } else {
+                    log::error!("rescan failed: cannot start its thread: {e}")
+                }
+            }
         }
     }
 
